@@ -31,7 +31,9 @@ its hint's deadline is later than its expiry; the deadline itself is at most
         as it was) it is FINAL: never renewed again (`lease_renew_refused_total`)
     RENEWING --renew_failed(lost=False: timeout, unavailable, ...)--> HELD, due again after
         `retry_ms` (`lease_renew_failed_total`); if the renewal was sent, the directory may
-        have granted it: `maybe_until` := max(`maybe_until`, the expiry asked)
+        have granted it: `maybe_until` := max(`maybe_until`, the expiry asked); not if
+        `refused` (an error answered before any effect: bad_request, unauthorized, busy,
+        rate_limited, quota_exceeded): not granted, the lease keeps its expiry and nothing more
     RENEWING --renew_failed(lost=True: `not_found`, the directory holds no such lease)--> (none)
     HELD --due at or after its expiry--> (none): lapsed; the directory dropped it, or, if
         `maybe_until` is later than now, may still hold it: its release is queued (below), held
@@ -444,13 +446,17 @@ class HintLeases:
             after = max(kept.expires_ms - kept.margin_ms, now_ms)
             self._reschedule(lease, kept, min(kept.expires_ms, after))
 
-    def renew_failed(self, lease: Lease, *, lost: bool, now_ms: int) -> None:
+    def renew_failed(self, lease: Lease, *, lost: bool, now_ms: int, refused: bool = False) -> None:
         """The renewal of `lease` failed: `lost` (`not_found`: the directory holds no such lease)
         drops it; any other error is retried after `retry_ms` (before its expiry). Any other
         error of a renewal sent may have lost a grant (a timeout, a connection lost: the
         directory may have renewed it): the lease may be held up to the expiry asked
         (`maybe_until_ms`), where a release given up at its old expiry, or a lapse at it without
-        one, left it pinned up to `lease_ttl_ms` more (review of the change)."""
+        one, left it pinned up to `lease_ttl_ms` more (review of the change). Not when `refused`:
+        the directory answered an error that comes before any effect (the shell's
+        `RENEW_REFUSALS`: bad_request, unauthorized, busy, rate_limited, quota_exceeded), so
+        nothing was granted and the lease keeps its expiry alone (each was taken as maybe
+        granted: an extra release at a lapse, or one held longer, answered `not_found`)."""
         kept = self._kept.get(lease)
         if kept is None or not kept.renewing:
             return
@@ -458,7 +464,7 @@ class HintLeases:
         if lost:
             self._drop(lease, kept, needed=True)
             return
-        if kept.asked_sent:
+        if kept.asked_sent and not refused:
             kept.maybe_until_ms = max(kept.maybe_until_ms, kept.asked_until_ms)
         self.counters["lease_renew_failed_total"] += 1
         self._reschedule(lease, kept, min(kept.expires_ms, now_ms + self.config.retry_ms))

@@ -30,20 +30,30 @@
   hints are released (`lease_release`), and the leases of live hints due are renewed
   (`lease_renew`, for at most `LEASE_TTL_MS_MAX` and never past the hint's deadline), each to the
   shard that granted it by a task of its own, never on the ticker. Each tick starts at most
-  `REQUESTS_STARTED_PER_TICK_MAX` renewals and as many releases, and no more on a shard than
+  `REQUESTS_STARTED_PER_TICK_MAX` renewals; releases are started at a rate whatever `tick_ms`
+  is: at most `RELEASES_BURST` (64) at once and `RELEASES_PER_S` (3200: 64 per 20 ms, a tick's
+  worth at the default) over time, one token bucket on the monotonic clock for every path that
+  starts them (the tick's own, each hint's leases given back between ticks, a round
+  `RELEASE_ROUND_S` after one the budget cut short, `stop`'s rounds; each call had a budget of
+  its own, up to 64 more per hint whose leases went back between two ticks, then one budget of
+  64 a tick was 64 a second at `tick_ms` 1000, 320 in `stop`'s 5 s). No more on a shard than
   leave `RENEWALS_AT_ONCE` / `RELEASES_AT_ONCE` of them in flight there: a task is created only
   for a request sent at once (tasks = requests in flight); the rest wait in `HintLeases` for a
-  later tick (renewals earliest expiry first, releases first queued first). Each release has its
-  own deadline (`request_timeout_s` + `RELEASE_DEADLINE_SLACK_S`); a failed one is sent again 1
-  s later, at most 3 sends in all and never past its lease's expiry; at most `RELEASES_QUEUED_MAX`
-  queued, more left to expire. The leases no hint keeps (a lookup's outside its hit, those of
-  a hint that queued nothing, was busy or refused, or whose dedupe found no live hint) go
+  later round or tick (renewals earliest expiry first, releases first queued first). Each
+  release has its own deadline
+  (`request_timeout_s` + `RELEASE_DEADLINE_SLACK_S`); a failed one is sent again 1 s later, at
+  most 3 sends in all and never past its lease's expiry; at most `RELEASES_QUEUED_MAX` queued,
+  more left to expire. The leases no hint keeps (a lookup's outside its hit, those of a hint that
+  queued nothing, was busy or refused, or whose dedupe found no live hint) go
   through the same queue (`_give_back_leases`): they were released inline, one at a time in the
   hint's reply path and never retried, one hung shard delaying the reply by `request_timeout_s`
   per lease (review of the change, stop 71). A lease whose hint ends while its renewal is in
   flight, or after a renewal whose answer was lost (a timeout: the directory may have granted
   it), is released with the expiry asked, not its old one, and one whose renewals fail until
   its old expiry is then released, not dropped (it may still be held; review of the change).
+  A renewal refused before any effect (`RENEW_REFUSALS`: bad_request, unauthorized, busy,
+  rate_limited, quota_exceeded) was not granted: retried the same, but its lease keeps its old
+  expiry (it was taken as maybe granted, as a timeout is: at worst an extra release).
   When to renew, which leases the directory has dropped
   (`not_found`, or past their expiry: no longer counted as held) and which releases to send or
   retry is decided by the pure `kvfabric.core.prefetch_leases.HintLeases`. A lookup's leases
@@ -109,9 +119,18 @@ from kvfabric.core.prefetch_events import (
     Tick,
 )
 from kvfabric.core.prefetch_leases import HintLeases, LeaseKeeping, ReleaseLease, RenewLease
+from kvfabric.core.quotas import TokenBucket
 from kvfabric.core.step import reply_of
 from kvfabric.format.clock import monotonic_ms, now_ms
-from kvfabric.format.errors import BadRequest, KvfError, NotFound, Unavailable
+from kvfabric.format.errors import (
+    BadRequest,
+    KvfError,
+    NotFound,
+    QuotaExceeded,
+    RateLimited,
+    Unauthorized,
+    Unavailable,
+)
 from kvfabric.format.errors import Busy as BusyError
 from kvfabric.format.ids import (
     CHAIN_SLICE,
@@ -126,6 +145,7 @@ from kvfabric.format.ids import (
     pack_group_key,
     pack_object_key,
 )
+from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto import prefetch as p
 from kvfabric.proto.segment import tier_of_slot
@@ -160,16 +180,32 @@ def copy_writer_id(target: str) -> str:
 # requests in flight per shard; at `stop` for at most `RELEASE_STOP_S` (a release given up
 # expires on its own: TTL <= the hint's deadline). Live hints' leases are renewed off the ticker
 # too, at most `RENEWALS_AT_ONCE` in flight per shard. Each tick starts at most
-# `REQUESTS_STARTED_PER_TICK_MAX` renewals (and as many releases) in all (`_release_ended`).
+# `REQUESTS_STARTED_PER_TICK_MAX` renewals (`_renew_due`). Releases are started at a rate, not
+# per tick: one token bucket (`_release_budget`) of `RELEASES_BURST` refilled at `RELEASES_PER_S`
+# on the monotonic clock, whatever `tick_ms` is (1..60000), drawn by every path that starts
+# them (`_start_releases`: the tick's own, each hint's leases given back between ticks, the
+# rounds of `_pump_releases` and of `stop`, `RELEASE_ROUND_S` apart). A budget of 64 a tick
+# was 64 releases a second in all at `tick_ms` 1000 (a flow of give-backs filled the 4096
+# queue in a minute, then was dropped) and 320 at most in `stop`'s 5 s (review of the change).
 RELEASES_AT_ONCE: Final = 16
 RENEWALS_AT_ONCE: Final = 16
 REQUESTS_STARTED_PER_TICK_MAX: Final = 64
+RELEASES_BURST: Final = REQUESTS_STARTED_PER_TICK_MAX  # started at once at most (a full bucket)
+RELEASE_ROUND_S: Final = 0.02  # a burst's refill: 64 per 20 ms, one tick's worth at the default
+RELEASES_PER_S: Final = round(RELEASES_BURST / RELEASE_ROUND_S)  # 3200
 RELEASES_QUEUED_MAX: Final = 4096  # more ended leases than this waiting: left to expire (counted)
 RELEASE_ATTEMPTS_MAX: Final = 3
 RELEASE_DEADLINE_SLACK_S: Final = 0.5  # a release's deadline: the request's timeout and this
 # One tenant's hints resolved at once: at most resolving_max // this (at least one)
 RESOLVING_TENANT_SHARE_DIVISOR: Final = 4
 RELEASE_STOP_S: Final = 5.0
+# Errors the directory answers to a `lease_renew` before it has any effect (the request is
+# malformed or not allowed, or refused for load before its handler ran): the renewal was not
+# granted, the lease keeps its expiry. Every other failure (`indeterminate`: a timeout or a
+# connection lost after it was sent; `unavailable`; `stale_generation`, which the router raises
+# on a reply an older leader sent, perhaps after applying it; `internal`; an unknown code) may
+# have been granted. `not_found` (no such lease) is handled on its own: the lease is lost.
+RENEW_REFUSALS: Final = (BadRequest, Unauthorized, BusyError, RateLimited, QuotaExceeded)
 # `accessed` events waiting for the callback (it asks the directory about groups it does not
 # know: slow when the directory is): past these, nats-py drops them (a slow-consumer warning).
 # Its defaults (524,288 messages, 128 MiB) let hot-replica decisions run on reads minutes old
@@ -240,6 +276,12 @@ class PrefetchShell:
         # request sent as its task starts (none waits for a slot), counted per shard
         self._releases: set[asyncio.Task[None]] = set()
         self._releasing_on: Counter[int] = Counter()
+        # releases any path may still start (`_start_releases`): `RELEASES_BURST` at most,
+        # refilled at `RELEASES_PER_S` on the monotonic clock (this module's `monotonic_ms`);
+        # the one round due while the budget holds releases back (`_pump_releases`)
+        self._release_budget = TokenBucket.full(RELEASES_PER_S, RELEASES_BURST, monotonic_ms() / 1000)
+        self._release_pump: asyncio.TimerHandle | None = None
+        self._stopping = False  # `stop` gives the leases back in rounds of its own: no pump
         self._renewals: set[asyncio.Task[None]] = set()
         self._renewing_on: Counter[int] = Counter()
         self._log = get_logger("kvfabric.prefetch")
@@ -280,12 +322,21 @@ class PrefetchShell:
         await asyncio.gather(*self._tasks, *self._copies, *renewing, return_exceptions=True)
         # Every lease given back, as the ticker would (bounded per shard and round, retried), for
         # at most RELEASE_STOP_S: the rest expire on their own.
+        self._stopping = True
+        if self._release_pump is not None:
+            self._release_pump.cancel()
+            self._release_pump = None
         self._keeper.give_back_all(self._now())
         loop = asyncio.get_running_loop()
         until = loop.time() + RELEASE_STOP_S
+        # The ticker stopped: rounds at most `RELEASE_ROUND_S` apart, never `tick_ms` (up to 60
+        # s), each drawing on the one rate (`_release_budget`): all of `RELEASES_QUEUED_MAX` in
+        # ~1.3 s. Rounds of `tick_ms`, 64 each, gave back 320 at most in 5 s at `tick_ms` 1000.
+        round_s = min(self.tick_ms / 1000, RELEASE_ROUND_S)
         while self._keeper.releases_pending and (left := until - loop.time()) > 0:
             self._start_releases()
-            wait_s = min(left, self.tick_ms / 1000)  # (a retry may come due meanwhile)
+            # (a retry may come due meanwhile; a release answered frees its shard's room)
+            wait_s = min(left, round_s)
             if self._releases:
                 await asyncio.wait(set(self._releases), timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
             else:  # only retries waiting
@@ -485,18 +536,41 @@ class PrefetchShell:
         self._renew_due()
 
     def _start_releases(self) -> None:
-        """The releases `HintLeases` says may go: at most `REQUESTS_STARTED_PER_TICK_MAX` in
-        all and as many on a shard as leave `RELEASES_AT_ONCE` in flight there, each by its own
-        task with its own deadline. One task gave them back in batches of 16 awaited whole: one
-        release left unanswered held the 15 others of its batch and every one queued behind, and
-        a failed one was never retried (held to its TTL; review of stop 71)."""
-        for release in self._keeper.releases(
-            self._now(), limit=REQUESTS_STARTED_PER_TICK_MAX, shard_room=self._release_room
-        ):
+        """The releases `HintLeases` says may go: as many as the budget holds (`_release_budget`:
+        `RELEASES_BURST` at once at most, `RELEASES_PER_S` over time, shared by every call: the
+        tick's own, each hint's leases given back between ticks, the pump's and `stop`'s
+        rounds) and as many on a shard as leave `RELEASES_AT_ONCE` in flight there, each by its
+        own task with its own deadline. Releases the budget held back are started by a round
+        `RELEASE_ROUND_S` later (`_pump_releases`), not at the next tick (at `tick_ms` 1000 the
+        ticks alone started 64 a second); those held back by their shard's room or a retry's time
+        wait for a later tick. One task gave them back in batches of 16 awaited whole: one release
+        left unanswered held the 15 others of its batch and every one queued behind, and a failed
+        one was never retried (held to its TTL; review of stop 71). Each call had a budget of its
+        own: every hint whose leases went back between two ticks started up to 64 more; then one
+        budget of 64 a tick capped every path at 64 per `tick_ms` (review of the change)."""
+        now_s = monotonic_ms() / 1000
+        # (whole releases; the epsilon: 20 ms of 3200/s refills 64, not 63.999...)
+        startable = int(self._release_budget.refill(now_s) + 1e-6)
+        started = self._keeper.releases(self._now(), limit=startable, shard_room=self._release_room)
+        invariant(len(started) <= startable <= RELEASES_BURST, "releases started within the budget")
+        self._release_budget.charge(len(started), now_s)
+        for release in started:
             self._releasing_on[release.shard] += 1
             task = asyncio.create_task(self._release(release))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
+        # the budget ran out (all it held was taken) and releases wait that are not in flight:
+        # the next round starts them as it refills (`stop` runs rounds of its own)
+        held_back = self._keeper.releases_pending > len(self._releases)
+        if len(started) == startable and held_back and not self._stopping and self._release_pump is None:
+            self._release_pump = asyncio.get_running_loop().call_later(RELEASE_ROUND_S, self._pump_releases)
+
+    def _pump_releases(self) -> None:
+        """A round of releases between ticks (`_start_releases`), due `RELEASE_ROUND_S` after
+        one the budget cut short; it schedules the next while the budget still binds."""
+        self._release_pump = None
+        if not self._stopping:
+            self._start_releases()
 
     async def _release(self, release: ReleaseLease) -> None:
         """One `lease_release`, its outcome told to `HintLeases` (never raises: a release left
@@ -573,6 +647,9 @@ class PrefetchShell:
             reply = await self._directory(renewal.shard, "lease_renew", request)
         except NotFound:  # expired or dropped at the directory (a new leader, say)
             self._keeper.renew_failed(renewal.lease, lost=True, now_ms=self._now())
+        except RENEW_REFUSALS as exc:  # refused before any effect: not granted, retried
+            self._log.info("lease_renew_failed", shard=renewal.shard, error=exc.code, granted=False)
+            self._keeper.renew_failed(renewal.lease, lost=False, now_ms=self._now(), refused=True)
         except Exception as exc:  # retried after a while, before its expiry
             # (not `lost`: the directory may have granted it, its answer lost; the lease is then
             # given back, or released at its lapse, with the expiry asked: `HintLeases`)
@@ -753,7 +830,8 @@ class PrefetchShell:
         """Read leases no hint keeps, each held until `expires_ms` (None: unknown, one
         `LEASE_TTL_MS_MAX` from now at most), given back like an ended hint's: queued in
         `HintLeases` and started at once within the same bounds (`_start_releases`: each to the
-        shard that granted it by its own task and deadline, retried, within its shard's room).
+        shard that granted it by its own task and deadline, retried, within its shard's room and
+        what the budget holds (`_release_budget`); the rest in the next round, 20 ms later).
         They were released inline, one at a time in the hint's reply path, never retried and
         outside the per-shard bound: one hung shard delayed the reply by `request_timeout_s`
         per lease (review of the change, stop 71)."""

@@ -1,0 +1,336 @@
+"""Two defects of the prefetch shell's lease requests:
+
+- Releases started per tick: the bound of `REQUESTS_STARTED_PER_TICK_MAX` releases a tick was
+  per call of `_start_releases`, and every hint whose leases go back (a lookup's outside its hit,
+  a hint that queued nothing, was busy or refused) called it between ticks with a budget of its
+  own, as did each round of `stop`: several hints in one tick started 64 each. Then one budget
+  of 64 a tick, shared by every path, was a rate that hung on `tick_ms` (1..60000): at 1000, 64
+  releases a second in all (a flow of give-backs filled the queue, then was dropped) and 320 at
+  most in `stop`'s 5 s. Now one token bucket on the monotonic clock, 64 at once and 3200 a
+  second whatever `tick_ms` is, shared by every path; what it holds back is started by a round
+  20 ms later, none lost.
+- Renewal errors: every error but `not_found` was taken as "maybe granted" (the lease then
+  released held to the expiry asked). An error the directory answers before any effect (a
+  refusal: bad_request, unauthorized, busy, rate_limited, quota_exceeded) was not granted: the
+  lease keeps its old expiry. Only a lost answer (a timeout, unavailable, ...) may have been.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvfabric.format.errors import (
+    BadRequest,
+    Busy,
+    Indeterminate,
+    KvfError,
+    QuotaExceeded,
+    RateLimited,
+    StaleGeneration,
+    Unauthorized,
+    Unavailable,
+)
+from kvfabric.prefetch import shell as shell_module
+from kvfabric.prefetch.shell import PrefetchShell
+from kvfabric.proto import directory as m
+from tests.unit.prefetch.test_lease_renewal import Directory
+from tests.unit.prefetch.test_shell_shards import NOW, FakeRouter, make_shell
+
+PER_TICK = shell_module.REQUESTS_STARTED_PER_TICK_MAX
+BURST = shell_module.RELEASES_BURST  # 64 at once
+RATE = shell_module.RELEASES_PER_S  # 3200 a second: 64 per 20 ms, whatever `tick_ms` is
+SHARDS_USED = 8  # 8 shards x 16 slots: room for 128 releases at once, the tick's budget binds
+
+
+class CountingRouter(FakeRouter):
+    """Answers from a `Directory` (releases at once); records each `lease_release` sent with the
+    loop's time, and fails each `lease_renew` with `renew_error` when set."""
+
+    def __init__(self, directory: Directory) -> None:
+        super().__init__(directory.answer)
+        self.sent: list[tuple[float, tuple[int, int]]] = []  # (loop time, lease) of each release
+        self.renew_error: BaseException | None = None
+
+    async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **_: Any) -> Any:
+        if verb == "lease_release":
+            assert isinstance(message, m.LeaseRelease)
+            self.sent.append((asyncio.get_running_loop().time(), (shard, message.lease_id)))
+        elif verb == "lease_renew" and self.renew_error is not None:
+            self.asked.append((shard, verb, message))
+            raise self.renew_error
+        return await super().ask(shard, verb, message, timeout_s)
+
+
+def setup(
+    monkeypatch: pytest.MonkeyPatch, *, fake_monotonic: bool = True
+) -> tuple[dict[str, int], Directory, CountingRouter, PrefetchShell]:
+    """The shell on a fake wall clock `clock["ms"]`, and its release budget's monotonic clock
+    the same one (`fake_monotonic`; else the real one: `stop`'s rounds sleep in real time)."""
+    clock = {"ms": NOW}
+    monkeypatch.setattr(shell_module, "now_ms", lambda: clock["ms"])
+    if fake_monotonic:
+        monkeypatch.setattr(shell_module, "monotonic_ms", lambda: clock["ms"])
+    directory = Directory(clock)
+    router = CountingRouter(directory)
+    return clock, directory, router, make_shell(router)
+
+
+def hint_leases(hint: int, count: int) -> list[tuple[int, int]]:
+    """`count` leases of one hint, spread over `SHARDS_USED` shards (ids unique over hints)."""
+    return [(i % SHARDS_USED, 10_000 * (hint + 1) + i) for i in range(count)]
+
+
+async def settle() -> None:
+    """The release tasks started run to their end (each answered at once)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_hints_ending_in_one_tick_start_at_most_the_ticks_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In one tick: 3 ended hints' leases (30 each) given back by the tick itself, then 4 hints
+    whose leases no hint keeps (30 each) given back before the next tick, each by its own call:
+    210 leases, at one time (the fake clock). At most 64 releases start then (the burst), and
+    64 in each later tick at the default 20 ms (the rate's refill); each lease is released
+    once, none lost (dropped or abandoned)."""
+    clock, directory, router, shell = setup(monkeypatch)
+    every: list[tuple[int, int]] = []
+    for h in range(3):  # ended hints (not in the core): given back by the tick
+        leases = hint_leases(h, 30)
+        shell._keeper.keep(("t", f"ended{h}"), leases, NOW + 30_000, NOW)
+        every += leases
+    given_back = [hint_leases(h, 30) for h in range(3, 7)]
+    every += [lease for leases in given_back for lease in leases]
+    for lease in every:
+        directory.expiry[lease] = NOW + 30_000
+
+    async def scenario() -> list[int]:
+        per_tick: list[int] = []
+        before = len(router.sent)
+        await shell._release_ended()  # the tick: its own ended hints' leases
+        for leases in given_back:  # then, before the next tick, 4 hints' leases go back
+            shell._give_back_leases(leases, NOW + 30_000)
+            await settle()
+        per_tick.append(len(router.sent) - before)
+        for _ in range(20):  # later ticks, 20 ms apart
+            clock["ms"] += 20
+            before = len(router.sent)
+            await shell._release_ended()
+            await settle()
+            per_tick.append(len(router.sent) - before)
+            if not shell._keeper.releases_pending:
+                break
+        await shell.stop()
+        return per_tick
+
+    per_tick = asyncio.run(scenario())
+    # (the old code: 64 by the tick's own call, then 30 by each hint's: all 210 in the first tick)
+    assert per_tick[0] == PER_TICK
+    assert max(per_tick) <= PER_TICK
+    assert sum(per_tick) == len(every) and len(per_tick) == 4  # 64 + 64 + 64 + 18
+    assert sorted(lease for _, lease in router.sent) == sorted(every)  # each once
+    assert sorted(directory.released) == sorted(every)
+    counters = shell.status().counters
+    assert counters["lease_releases_dropped_total"] == counters["lease_releases_abandoned_total"] == 0
+    assert counters["lease_release_failed_total"] == 0
+
+
+def keep_hints(
+    shell: PrefetchShell, directory: Directory, hints: int, per_hint: int
+) -> list[tuple[int, int]]:
+    """`hints` live hints holding `per_hint` leases each (to 30 s): all given back at `stop`."""
+    every: list[tuple[int, int]] = []
+    for h in range(hints):
+        leases = hint_leases(h, per_hint)
+        shell._keeper.keep(("t", f"h{h}"), leases, NOW + 30_000, NOW)
+        every += leases
+    for lease in every:
+        directory.expiry[lease] = NOW + 30_000
+    return every
+
+
+def record_calls(shell: PrefetchShell) -> list[int]:
+    """How many releases each call of `HintLeases.releases` gave the shell to start."""
+    calls: list[int] = []
+    releases = shell._keeper.releases
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        out = releases(*args, **kwargs)
+        calls.append(len(out))
+        return out
+
+    shell._keeper.releases = counted  # type: ignore[method-assign]
+    return calls
+
+
+def assert_within_rate(sent: list[tuple[float, tuple[int, int]]], began: float) -> None:
+    """By `began` + t at most the burst and t of the rate were started (each is recorded when
+    sent, after the budget gave it; 2 ms for the budget's clock, read in whole ms)."""
+    for t in [i / 1000 for i in range(0, 2000, 5)]:
+        started = sum(1 for at, _ in sent if at < began + t)
+        assert started <= BURST + RATE * (t + 0.002), (t, started)
+
+
+def test_stop_starts_releases_at_the_budgets_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`stop` at the default `tick_ms` (20) gives 300 leases back in rounds: no call starts more
+    than 64 (the burst), however fast they are answered (each answer woke the loop, which
+    started 64 more), none faster than the rate, and every lease is released within
+    `RELEASE_STOP_S`."""
+    _, directory, router, shell = setup(monkeypatch, fake_monotonic=False)
+    every = keep_hints(shell, directory, 10, 30)
+    calls = record_calls(shell)
+
+    async def scenario() -> float:
+        began = asyncio.get_running_loop().time()
+        await shell.stop()
+        return began
+
+    began = asyncio.run(scenario())
+    assert sorted(lease for _, lease in router.sent) == sorted(every)  # each once, none lost
+    assert calls and max(calls) <= PER_TICK  # (the old code: all 300 in the first call)
+    assert_within_rate(router.sent, began)
+    assert shell.status().gauges["lease_releases_pending"] == 0
+
+
+def test_stop_at_a_long_tick_gives_a_full_queue_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tick_ms` 1000 (allowed: 1..60000), `RELEASES_QUEUED_MAX` (4096) leases held at `stop`:
+    every one is released within `RELEASE_STOP_S` (4096 at 3200 a second: ~1.3 s), within the
+    rate. `stop`'s rounds were `tick_ms` apart with 64 each: 320 released, the rest left pinned
+    to their expiry."""
+    _, directory, router, shell = setup(monkeypatch, fake_monotonic=False)
+    shell.tick_ms = 1000
+    every = keep_hints(shell, directory, 128, 32)
+    assert len(every) == shell_module.RELEASES_QUEUED_MAX
+
+    async def scenario() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await shell.stop()
+        return began, loop.time()
+
+    began, ended = asyncio.run(scenario())
+    assert sorted(lease for _, lease in router.sent) == sorted(every)  # each once, none lost
+    assert ended - began < shell_module.RELEASE_STOP_S  # (not cut by its bound)
+    assert_within_rate(router.sent, began)
+    counters = shell.status().counters
+    assert counters["lease_releases_dropped_total"] == counters["lease_releases_abandoned_total"] == 0
+    assert shell.status().gauges["lease_releases_pending"] == 0
+
+
+def test_give_backs_between_long_ticks_are_not_capped_per_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tick_ms` 1000: one tick, then, before the next, 64 lookups' leases no hint keeps (10
+    each) given back 16 ms apart on the fake clock: 640 in ~1 s, 625 a second, under the rate
+    (3200). Each is started by the call that gives it back: none waits for the next tick. One
+    budget of 64 a tick started the first 64, the other 576 only from the next tick on (64 a
+    second: a steady flow filled the queue, then was dropped)."""
+    clock, directory, router, shell = setup(monkeypatch)
+    shell.tick_ms = 1000
+    flow = [hint_leases(h, 10) for h in range(64)]
+    for lease in [lease for leases in flow for lease in leases]:
+        directory.expiry[lease] = NOW + 30_000
+
+    async def scenario() -> list[int]:
+        waiting: list[int] = []
+        await shell._release_ended()  # the tick at 0 ms (nothing of its own)
+        for leases in flow:
+            clock["ms"] += 16
+            shell._give_back_leases(leases, NOW + 30_000)
+            waiting.append(shell._keeper.releases_pending - len(shell._releases))
+            await settle()
+        await shell.stop()
+        return waiting
+
+    waiting = asyncio.run(scenario())
+    assert waiting == [0] * len(flow)  # each started at once
+    assert sorted(lease for _, lease in router.sent) == sorted(lease for leases in flow for lease in leases)
+    assert shell.status().counters["lease_releases_dropped_total"] == 0
+
+
+def test_a_tick_at_a_long_tick_ms_starts_its_releases_at_the_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tick_ms` 1000: one tick gives back 20 ended hints' leases (32 each, 640), more than the
+    burst (64). The rest are started by rounds 20 ms apart, not by the next tick: all 640 within
+    ~0.2 s (3200 a second; 0.9 s allowed, before the next tick), none faster than the rate.
+    One budget of 64 a tick started 64 in that tick, the rest 64 a second."""
+    _, directory, router, shell = setup(monkeypatch, fake_monotonic=False)
+    shell.tick_ms = 1000
+    every: list[tuple[int, int]] = []
+    for h in range(20):  # ended hints (not in the core): given back by the tick
+        leases = hint_leases(h, 32)
+        shell._keeper.keep(("t", f"ended{h}"), leases, NOW + 30_000, NOW)
+        every += leases
+    for lease in every:
+        directory.expiry[lease] = NOW + 30_000
+    calls = record_calls(shell)
+
+    async def scenario() -> tuple[float, int]:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await shell._release_ended()  # the tick; no other before 0.9 s
+        await asyncio.sleep(0.9)
+        sent_before_next_tick = len(router.sent)
+        await shell.stop()
+        return began, sent_before_next_tick
+
+    began, sent_before_next_tick = asyncio.run(scenario())
+    assert sent_before_next_tick == len(every)
+    assert max(calls) <= PER_TICK
+    assert_within_rate(router.sent, began)
+    assert sorted(lease for _, lease in router.sent) == sorted(every)  # each once
+
+
+LEASE = (1, 777)
+REFUSALS: list[BaseException] = [
+    BadRequest("lease_ttl_ms out of range"),
+    Unauthorized("not yours"),
+    Busy("in-flight limit reached"),
+    RateLimited("too fast", retry_after_ms=100),
+    QuotaExceeded("over quota"),
+]
+MAYBE_GRANTED: list[BaseException] = [
+    Indeterminate("no reply within 1.0 s"),  # a timeout after it was sent
+    Unavailable("no responders"),
+    StaleGeneration("directory_epoch", 1, 2),  # a reply from an older leader (router's fence)
+    KvfError("service error 500"),  # internal: the handler may have failed after its effect
+    TimeoutError(),
+]
+
+
+@pytest.mark.parametrize("error", REFUSALS + MAYBE_GRANTED, ids=lambda e: type(e).__name__)
+def test_a_refused_renewal_keeps_its_old_expiry_a_lost_answer_may_have_been_granted(
+    monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> None:
+    """A lease held to 30 s, its hint live to 120 s: its renewal is sent at 20 s asking to 50 s
+    and fails with `error`. The lease keeps its expiry (30 s) either way. The hint is then
+    cancelled at 30 s, the lease's old expiry: a refused renewal was not granted, so the lease
+    has expired and nothing is released; one whose answer was lost may hold to 50 s at the
+    directory, so it is released (it was, for a refusal too: a release answered `not_found`)."""
+    clock, directory, router, shell = setup(monkeypatch)
+    live = {"h1": True}
+    monkeypatch.setattr(shell, "_hint_deadline", lambda named: NOW + 120_000 if live["h1"] else None)
+    monkeypatch.setattr(shell.core, "has_hint", lambda hint_id, tenant=None: live["h1"])
+    directory.expiry[LEASE] = NOW + 30_000
+    shell._keeper.keep(("t", "h1"), [LEASE], NOW + 30_000, NOW)
+    router.renew_error = error
+
+    async def scenario() -> None:
+        clock["ms"] = NOW + 20_000  # due: a third of its TTL left
+        await shell._release_ended()
+        await asyncio.gather(*shell._renewals)
+        assert [verb for _, verb, _ in router.asked if verb == "lease_renew"] == ["lease_renew"]
+        assert shell.status().counters["lease_renew_failed_total"] == 1
+        assert shell._keeper.expires_ms(LEASE) == NOW + 30_000  # its old expiry, either way
+        live["h1"] = False  # the hint ends at the lease's old expiry
+        clock["ms"] = NOW + 30_000
+        await shell._release_ended()
+        await settle()
+        await shell.stop()
+
+    asyncio.run(scenario())
+    released = [lease for _, lease in router.sent]
+    if any(error is refusal for refusal in REFUSALS):
+        assert released == []  # not granted: expired at 30 s, nothing to give back
+    else:
+        assert released == [LEASE]  # may have been granted to 50 s: given back
