@@ -303,9 +303,16 @@ class IndexMachine(RuleBasedStateMachine):
             behind = self.index.counters["resyncs_behind"]
             assert not self.index.resync_done(token)  # behind the view served: refused
             assert self.index.counters["resyncs_behind"] == behind + 1 and self.index.last_seq == served
+        # A marker replayed after a later one was applied to the view served is fenced (its
+        # epoch below the shard's highest: `kvfabric.core.shard_fence`, the fence shared); the
+        # later marker, replayed after it, asks for the listing again.
+        highest = max((e.epoch for e in self.log[:served] if isinstance(e, m.ShardStarted)), default=0)
         for seq in range(at_seq + 1, served + 1):
-            assert self.index.resync_replay(token, seq, self.log[seq - 1]) == "applied"
-            assert self.mine.resync_replay(mine_token, seq, self.log[seq - 1]) == "applied"
+            event = self.log[seq - 1]
+            fenced = isinstance(event, m.ShardStarted) and event.epoch < highest
+            expected = "fenced" if fenced else "applied"
+            assert self.index.resync_replay(token, seq, event) == expected
+            assert self.mine.resync_replay(mine_token, seq, event) == expected
         wanted_again = any(isinstance(e, m.ShardStarted) for e in self.log[at_seq:served])
         assert self.index.resync_done(token) and self.mine.resync_done(mine_token)
         assert self.index.synced and self.index.last_seq == max(at_seq, served)

@@ -59,7 +59,7 @@ def test_events_leave_a_full_outbox_in_the_order_they_were_queued() -> None:
         await asyncio.sleep(0.01)
         drained.append(shell._outbox.get_nowait())
         await asyncio.gather(waiting, newer)
-        return [msgspec.msgpack.decode(d, type=m.SegmentDown).segment_id for _, d in drained]
+        return [msgspec.msgpack.decode(d, type=m.SegmentDown).segment_id for _, d, _ in drained]
 
     assert asyncio.run(main()) == ["s0", "s1", "s2"]
 
@@ -78,7 +78,7 @@ def test_a_newer_event_waits_behind_every_waiter_and_a_cancelled_one_gives_its_t
     def names() -> list[str]:
         out = []
         while not shell._outbox.empty():
-            _, data = shell._outbox.get_nowait()
+            _, data, _ = shell._outbox.get_nowait()
             out.append(msgspec.msgpack.decode(data, type=m.SegmentDown).segment_id)
         return out
 
@@ -89,7 +89,7 @@ def test_a_newer_event_waits_behind_every_waiter_and_a_cancelled_one_gives_its_t
         await asyncio.sleep(0.01)
         first = [names()[0]]  # the publisher takes a and b: room for w1 ... and one more
         shell._outbox.put_nowait(
-            ("x", msgspec.msgpack.encode(m.SegmentDown(segment_id="b", incarnation=1, reason="t")))
+            ("x", msgspec.msgpack.encode(m.SegmentDown(segment_id="b", incarnation=1, reason="t")), 1)
         )
         while not w1.done():  # noqa: ASYNC110 (a step at a time: the window is one turn of the loop)
             await asyncio.sleep(0)

@@ -190,7 +190,7 @@ def test_a_client_sized_commit_runs_whole_and_publishes_one_event() -> None:
     assert done  # one core call, no yield between steps
     assert isinstance(reply, m.PutCommitReply)
     assert [r.status for r in reply.results] == ["published"] * WRITE_WHOLE_IDS_MAX
-    events = [msgspec.msgpack.decode(raw) for _, raw in list(shell._outbox._queue)]  # type: ignore[attr-defined]
+    events = [msgspec.msgpack.decode(raw) for _, raw, _ in list(shell._outbox._queue)]  # type: ignore[attr-defined]
     assert len(events) == 1, len(events)
     core.check_invariants()
 
@@ -216,6 +216,6 @@ def test_a_client_sized_commit_at_two_replicas_runs_whole_too() -> None:
     )
     assert isinstance(reply, m.PutCommitReply)
     assert [r.status for r in reply.results] == ["published"] * len(keys)
-    events = [msgspec.msgpack.decode(raw) for _, raw in list(shell._outbox._queue)]  # type: ignore[attr-defined]
+    events = [msgspec.msgpack.decode(raw) for _, raw, _ in list(shell._outbox._queue)]  # type: ignore[attr-defined]
     assert len([e for e in events if e.get("t") == "dir.ev.published_many.v1"]) == 1
     core.check_invariants()

@@ -55,12 +55,14 @@ decoded by one typed `Decoder`; the file is the directory's wire schema, message
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Final, Literal
 
 import msgspec
 
 from kvfabric.format.ids import ChainHash, DomainDigest, GroupId, GroupKey, Namespace, ObjectKey
 from kvfabric.proto.codec import FamilyDecoder
+from kvfabric.proto.shards import SHARDS_MAX
 
 # Batch limits (per message). Named once; the directory core enforces them.
 PUT_BATCH_OBJECTS_MAX: Final = 4096
@@ -900,10 +902,63 @@ class ShardStarted(_Msg, frozen=True, kw_only=True, tag="dir.ev.shard_started.v1
     queued and not published (a handover drains them for at most 1 s; a stopping instance not
     at all): they never got a stream sequence, so no gap shows them; and the rebuild emits no
     event for what it adopted or lost. A follower takes this as a gap and lists the directory
-    again (the router's index: `RoutingIndex`; the eviction policy: its adoption)."""
+    again (the router's index: `RoutingIndex`; the eviction policy: its adoption).
+
+    Late events of the core it replaces: a handover's drain of the old core's queued events runs
+    while its lease key is released, and nats-py may flush a publish it had cancelled when it
+    reconnects, so the old core's events can land in the stream *after* this marker, past the
+    listing it asks for. Every event a shard's shell publishes (this one too) therefore carries
+    the NATS header `SHARD_EPOCH_HEADER` (`Kvf-Shard-Epoch: <shard>.<epoch>`, its core's;
+    `shard_epoch_header`, read back by `shard_epoch_of`). A follower keeps, per shard, the
+    highest epoch any event named (this marker's `epoch` too) and drops, counted
+    `events_fenced`, an event naming a lower one for that shard, a stale marker included (no
+    listing on it): `kvfabric.core.shard_fence`. An event without the header (an older
+    directory) is applied as before."""
 
     shard: int
     epoch: int
+
+
+# The NATS header every event of a shard's core carries: `<shard>.<epoch>` (decimal), so that a
+# follower drops the late events of a core a newer epoch replaced (`ShardStarted`). Shard ids are
+# at most `SHARD_ID_MAX`, the cluster's (`kvfabric.proto.shards.SHARDS_MAX` shards, 0-4095): a
+# header naming one past it names nothing, so that a foreign publisher's made-up shards cannot
+# fill a follower's fence table (`kvfabric.core.shard_fence`); an epoch is a JetStream KV revision
+# (uint64).
+SHARD_EPOCH_HEADER: Final = "Kvf-Shard-Epoch"
+SHARD_ID_MAX: Final = SHARDS_MAX - 1
+_SHARD_ID_CHARS_MAX: Final = len(str(SHARD_ID_MAX))
+_SHARD_EPOCH_VALUE_CHARS_MAX: Final = _SHARD_ID_CHARS_MAX + 1 + 20
+
+
+def shard_epoch_header(shard: int, epoch: int) -> dict[str, str]:
+    """The headers of an event the core of `shard` under `epoch` publishes."""
+    return {SHARD_EPOCH_HEADER: f"{shard}.{epoch}"}
+
+
+def shard_epoch_of(headers: object) -> tuple[int, int] | None:
+    """The (shard, epoch) an event's headers name (`SHARD_EPOCH_HEADER`); None when absent or
+    malformed (not `<shard>.<epoch>` in ASCII digits, a shard past `SHARD_ID_MAX`, an epoch past
+    uint64). Never raises: the headers are whatever the message carried (nats-py's dict, None)."""
+    if not isinstance(headers, Mapping) or not headers:
+        return None
+    value = headers.get(SHARD_EPOCH_HEADER)
+    if value is None:  # a header name's case is not guaranteed by every NATS client
+        wanted = SHARD_EPOCH_HEADER.lower()
+        value = next((v for k, v in headers.items() if isinstance(k, str) and k.lower() == wanted), None)
+    if not isinstance(value, str) or len(value) > _SHARD_EPOCH_VALUE_CHARS_MAX:
+        return None
+    shard, dot, epoch = value.strip().partition(".")
+    if not dot or not _digits(shard, _SHARD_ID_CHARS_MAX) or not _digits(epoch, 20):
+        return None
+    parsed = int(shard), int(epoch)
+    if parsed[0] > SHARD_ID_MAX or parsed[1] >= 1 << 64:
+        return None
+    return parsed
+
+
+def _digits(text: str, chars_max: int) -> bool:
+    return 0 < len(text) <= chars_max and text.isascii() and text.isdigit()
 
 
 # ---- shard map -----------------------------------------------------------------------------

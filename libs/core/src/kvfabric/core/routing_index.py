@@ -53,10 +53,26 @@ event published meanwhile is applied as usual.
                                               them), and its rebuild emits nothing for what it
                                               adopted or lost
 
+## Late events of a replaced core: fenced
+`apply(seq, event, origin)`: `origin` is the (shard, epoch) the event's NATS header names
+(`kvfabric.proto.directory.shard_epoch_of`; a `shard_started`'s own fields when it has none). An
+old core's events can land after its successor's `shard_started` (a handover drains them while
+its lease is released; nats-py may flush a cancelled publish on reconnect): applied after the
+listing the marker asked for, they left the index holding a group the directory no longer has,
+or missing one it has, with no marker after them. `fence` (`kvfabric.core.shard_fence`: per
+shard, the highest epoch seen, never lowered) answers "fenced" for an event naming a lower epoch
+than its shard's highest: in sequence (`last_seq` moves on), not applied, counted
+`events_fenced`; a stale marker too (it asks for no listing). An event without the header (an
+older directory) is applied as before. A view being built shares the served view's fence, so an
+event replayed onto it (`resync_replay`) is fenced as the fence stands then (one that preceded
+its successor's marker may be dropped in the replay: the marker, replayed after it, asks for a
+listing again). The follower raises the fence to a gap
+listing's shard-map epochs (`fence.raise_to`): markers among the events lost are not seen.
+
 ## Sequences: resume, duplicates, gaps
 `last_seq` is the stream sequence of the last event applied (0: none).
     seq <= last_seq        --> "duplicate": ignored (a redelivery after a consumer restart)
-    seq == last_seq + 1    --> "applied"
+    seq == last_seq + 1    --> "applied"; or "fenced" (above): `last_seq` = seq, nothing applied
     seq >  last_seq + 1    --> "gap": nothing applied, `synced` becomes False; the shell lists
                                the directory and calls `resync(listing, at_seq=S)` where S is
                                the stream's last sequence read *before* the listing started,
@@ -137,6 +153,7 @@ from typing import Final, Literal
 
 from kvfabric.core import routing_index_events
 from kvfabric.core.routing_index_events import RoutingIndexEvent, RoutingIndexOutput
+from kvfabric.core.shard_fence import ShardEpochFence
 from kvfabric.core.step import not_before
 from kvfabric.core.stream_bounds import StreamBounds
 from kvfabric.format.ids import (
@@ -166,7 +183,7 @@ __all__ = [
 DOMAIN_BYTES: Final = DOMAIN_DIGEST_BYTES
 CHAIN_BYTES: Final = CHAIN_HASH_BYTES
 
-ApplyResult = Literal["applied", "duplicate", "gap"]
+ApplyResult = Literal["applied", "duplicate", "gap", "fenced"]
 # Dead replicas taken out per `sweep` call (the shell's slice between turns of its loop): ~2.5 us
 # each.
 SWEEP_KEYS_PER_CALL: Final = 1_024
@@ -235,6 +252,9 @@ class RoutingIndex:
         self._building: RoutingIndex | None = None  # the listing's view, `resync_start`..`resync_done`
         self._build_token = 0  # the token of the latest `resync_start` (that of `_building`)
         self.bounds = StreamBounds()  # the stream's creation time as last seen
+        # Per shard, the highest epoch an event named: an older core's late event is fenced
+        # (`apply`). One for the index: a view being built shares the served one's.
+        self.fence = ShardEpochFence()
         self.counters: dict[str, int] = {
             "events_applied": 0,
             "events_duplicate": 0,
@@ -245,6 +265,7 @@ class RoutingIndex:
             "leader_changes": 0,  # resyncs asked because a shard's leader changed (`leader_changed`)
             "shard_starts": 0,  # resyncs asked by a shard's `shard_started` event (replays too)
             "stale_expired": 0,  # stale indexes no longer trusted, their listing failing (`unsync`)
+            "events_fenced": 0,  # a replaced shard core's late events, not applied (replays too)
             "resync_stale_writes": 0,  # calls naming a listing's view no longer built: ignored
             "resyncs_behind": 0,  # views refused, behind a synced index (`resync_done`)
         }
@@ -259,7 +280,9 @@ class RoutingIndex:
 
     # ---- events --------------------------------------------------------------------------
 
-    def apply(self, seq: int, event: m.DirectoryEvent) -> ApplyResult:
+    def apply(self, seq: int, event: m.DirectoryEvent, origin: tuple[int, int] | None = None) -> ApplyResult:
+        """The event at stream sequence `seq`; `origin` the (shard, epoch) its header names
+        (`kvfabric.proto.directory.shard_epoch_of`; None: none, or a `ShardStarted`'s own)."""
         invariant(seq >= 1, "stream sequences start at 1", seq=seq)
         if seq <= self.last_seq:
             self.counters["events_duplicate"] += 1
@@ -271,6 +294,11 @@ class RoutingIndex:
         if seq == 1:
             self.synced = True  # the whole history from the stream's first event
         self.last_seq = seq
+        if origin is None and isinstance(event, m.ShardStarted):
+            origin = (event.shard, event.epoch)
+        if not self.fence.admit(origin):  # a replaced core's late event: in sequence, not applied
+            self.counters["events_fenced"] += 1
+            return "fenced"
         self.counters["events_applied"] += 1
         self._apply(event)
         return "applied"
@@ -449,6 +477,7 @@ class RoutingIndex:
             self._by_chain.clear()
             self._dead.clear()
         building = RoutingIndex(self.domain)
+        building.fence = self.fence  # (replayed events are fenced as the served view's were)
         building.segments = {s.segment_id: s.incarnation for s in segments if s.up}
         building.last_seq = at_seq
         building.synced = True
@@ -476,14 +505,16 @@ class RoutingIndex:
                 building._set(group_key(g.domain, g.chain), g.chunk_index, g.copy_bytes, set(g.segments))
         return True
 
-    def resync_replay(self, token: int, seq: int, event: m.DirectoryEvent) -> ApplyResult | None:
+    def resync_replay(
+        self, token: int, seq: int, event: m.DirectoryEvent, origin: tuple[int, int] | None = None
+    ) -> ApplyResult | None:
         """The event at stream sequence `seq` applied to the view built under `token` (as
         `apply`: "gap" when it is not the next after the view's `last_seq`; the shell gives that
         listing up). None, nothing applied, for a stale token."""
         building = self._built(token)
         if building is None:
             return None
-        return building.apply(seq, event)
+        return building.apply(seq, event, origin)
 
     def resync_done(self, token: int) -> bool:
         """The view built under `token` swapped in, `last_seq` its own (the listing's `at_seq`,

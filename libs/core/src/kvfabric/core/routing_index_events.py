@@ -2,7 +2,7 @@
 entry point of `kvfabric.core.routing_index`, each the method of the same meaning. The index
 decides nothing by time and has no effects: its answers are replies.
 
-    Apply -> apply: [Reply("applied" | "duplicate" | "gap")]
+    Apply -> apply: [Reply("applied" | "duplicate" | "gap" | "fenced")]
     CheckStream -> check_stream: [Reply(resync needed)]    Resync -> resync
 """
 
@@ -23,10 +23,12 @@ __all__ = ["Apply", "CheckStream", "Resync", "RoutingIndexEvent", "RoutingIndexO
 
 @dataclass(frozen=True, slots=True)
 class Apply:
-    """The directory event at stream sequence `seq` (`apply`; answers `Reply(ApplyResult)`)."""
+    """The directory event at stream sequence `seq` (`apply`; answers `Reply(ApplyResult)`);
+    `origin` the (shard, epoch) its header names (None: none)."""
 
     seq: int
     event: m.DirectoryEvent
+    origin: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +57,7 @@ RoutingIndexOutput: TypeAlias = "Reply[ApplyResult] | Reply[bool]"
 def dispatch(index: RoutingIndex, event: RoutingIndexEvent) -> list[RoutingIndexOutput]:
     """`event` as the method of the same meaning (`RoutingIndex.step` checked the time)."""
     if isinstance(event, Apply):
-        return [Reply(index.apply(event.seq, event.event))]
+        return [Reply(index.apply(event.seq, event.event, event.origin))]
     if isinstance(event, CheckStream):
         return [Reply(index.check_stream(event.first_seq, event.last_seq, event.created))]
     index.resync(event.segments, event.groups, at_seq=event.at_seq)

@@ -269,14 +269,15 @@ class EventPublisher:
         self.published = 0
         self._log = get_logger("kvfabric.directory").bind(publisher=name)
 
-    async def publish(self, subject: str, payload: bytes) -> int:
-        """Until JetStream takes it; returns the event's stream sequence."""
+    async def publish(self, subject: str, payload: bytes, headers: dict[str, str] | None = None) -> int:
+        """Until JetStream takes it; returns the event's stream sequence. `headers`: its NATS
+        headers (a shard's events name their core: `kvfabric.proto.directory.shard_epoch_header`)."""
         js = self.stream.nc.jetstream()
         streak = _Streak()
         try:
             while True:
                 try:
-                    ack = await js.publish(subject, payload, timeout=self.publish_timeout_s)
+                    ack = await js.publish(subject, payload, timeout=self.publish_timeout_s, headers=headers)
                 except (TimeoutError, nats.errors.Error) as exc:
                     await self._failed(streak, subject, exc)
                     await asyncio.sleep(self.retry_s)

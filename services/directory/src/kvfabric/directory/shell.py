@@ -17,6 +17,14 @@ effects are performed after it returns:
   see a gap; the marker is that gap: the router's index and the eviction policy list the
   directory again on it. Dropped events are counted (`events_dropped`: queued, in flight, or
   never queued by a request that ended waiting for room) and logged `events_dropped`.
+- Every event it publishes (the marker too) carries the NATS header `Kvf-Shard-Epoch:
+  <shard>.<epoch>` of its core (`kvfabric.proto.directory.shard_epoch_header`): the core's
+  epoch when the step that emitted the event ran, kept with it in the outbox (it may be raised
+  between steps, `kvfabric.core.directory.base`: an event emitted before is published under the
+  epoch it was emitted under, one after under the new one). An old core's late events (its
+  handover drain runs while its lease is released; nats-py may flush a cancelled publish on
+  reconnect) can land after the new core's marker, and the followers drop those naming an epoch
+  below one they saw for the shard (`kvfabric.core.shard_fence`).
 - `FreeSlots` → a request to `kvf.v1.segment.free.<segment_id>`; the segment's reply is fed back
   to the core as `SlotsFreed`. A lost or failed free is retried by the core's `tick`.
 A tick task calls `core.tick(now_ms)` every `tick_ms` and performs its effects the same way.
@@ -169,7 +177,8 @@ class DirectoryShell:
         self.events_max_age_s = events_max_age_s
         self.events_max_bytes = events_max_bytes  # 0: no size bound
         self.free_timeout_s = free_timeout_s
-        self._outbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=events_outbox_max)
+        # (subject, payload, the core's epoch as it was emitted: its header's, module docstring)
+        self._outbox: asyncio.Queue[tuple[str, bytes, int]] = asyncio.Queue(maxsize=events_outbox_max)
         self._outbox_turn = asyncio.Lock()  # held by the event waiting for room (`_queue_event`)
         self._outbox_waiting = 0  # events in `_queue_event`'s slow path
         self._stopped = asyncio.Event()  # `stop` began: nothing reads the outbox any more
@@ -349,7 +358,11 @@ class DirectoryShell:
         # (module docstring; they resync on it).
         started = m.ShardStarted(shard=shard, epoch=self.core.epoch)
         await self._queue_event(
-            (event_subject(Service.DIRECTORY, "shard_started"), msgspec.msgpack.encode(started))
+            (
+                event_subject(Service.DIRECTORY, "shard_started"),
+                msgspec.msgpack.encode(started),
+                started.epoch,
+            )
         )
         self.publisher = EventPublisher(self.events_stream, name=f"shard-{shard}")
         self._tasks = [
@@ -409,8 +422,9 @@ class DirectoryShell:
             self._log.warning("events_dropped", shard=self.core.shard, epoch=self.core.epoch, events=dropped)
         return still
 
-    async def _queue_event(self, item: tuple[str, bytes]) -> None:
-        """Into the outbox, waiting for room while its publisher runs. Once `stop` began, nothing
+    async def _queue_event(self, item: tuple[str, bytes, int]) -> None:
+        """Into the outbox, waiting for room while its publisher runs (`item`: subject, payload,
+        the core's epoch when the event was emitted: its header's). Once `stop` began, nothing
         reads it: a request waiting there (JetStream slow, the outbox full) ended never, holding
         its in-flight slot and its tenant's fair turn (review, 2026-12-05); it ends
         `wrong_shard` now (its client asks the shard's new leader)."""
@@ -465,11 +479,14 @@ class DirectoryShell:
     # ---- effects -----------------------------------------------------------------------------
 
     async def perform(self, effects: list[Effect]) -> None:
+        """The effects of a core step, performed right after it: its events are queued under the
+        epoch it ran under (read once, before any wait for room in the outbox)."""
+        epoch = self.core.epoch
         for at, effect in enumerate(effects):
             if isinstance(effect, EmitEvent):
                 subject = event_subject(Service.DIRECTORY, effect.kind)
                 try:
-                    await self._queue_event((subject, msgspec.msgpack.encode(effect.event)))
+                    await self._queue_event((subject, msgspec.msgpack.encode(effect.event), epoch))
                 except BaseException:
                     # this one is counted (`_queue_event`); the events after it in the list are
                     # not queued either (review of the change: they went uncounted)
@@ -521,9 +538,10 @@ class DirectoryShell:
     async def _publisher(self) -> None:
         assert self.publisher is not None
         while True:
-            subject, payload = await self._outbox.get()
+            subject, payload, epoch = await self._outbox.get()
             self._publishing = True  # in order, never dropped: retried until JetStream takes it
-            await self.publisher.publish(subject, payload)
+            # its core's shard and epoch as it was emitted (module docstring)
+            await self.publisher.publish(subject, payload, m.shard_epoch_header(self.core.shard, epoch))
             self._publishing = False
 
     async def _ticker(self) -> None:

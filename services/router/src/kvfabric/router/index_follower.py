@@ -49,6 +49,13 @@
   gap resync that follows (review, 2026-12-07: it replaced the gap listing's view with its
   own, older one, or wrote into it, and that was swapped in); and a listing given up never starts a view (it
   checks it is still wanted at `resync_start`, with no wait between).
+- Every event is applied with the (shard, epoch) its `Kvf-Shard-Epoch` header names
+  (`kvfabric.proto.directory.shard_epoch_of`), the catch-up's replays too: the index fences the
+  late events of a shard core a newer epoch replaced (landed after the new core's
+  `shard_started`: a handover's drain runs while the lease is released), counted
+  `index_events_fenced`, logged `event_fenced` (the first of each shard and epoch: a drained
+  outbox's late events come by the thousand; `RoutingIndex`, "fenced"). A gap listing raises
+  that fence to the shard map's epochs it listed under (markers among the lost events unseen).
 - A fetch with events that leave at most one more fetch pending (`caught_up`), a fetch that
   answers with none when the stream, asked then, has nothing past the index (`_at_end`: nats-py
   raises the same timeout with the connection down, and a router cut off counted itself
@@ -113,6 +120,12 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
     """A given-up listing's outcome retrieved (moot: no "exception never retrieved" warning)."""
     if not task.cancelled():
         task.exception()
+
+
+def _origin(msg: Msg) -> tuple[int, int] | None:
+    """The (shard, epoch) of the core that published `msg` (its `Kvf-Shard-Epoch` header; None:
+    none, an older directory's event)."""
+    return m.shard_epoch_of(getattr(msg, "headers", None))
 
 
 def caught_up(batch: Sequence[Msg]) -> bool:
@@ -229,7 +242,7 @@ class IndexFollower:
         routes served between them too (`RoutingIndex.sweep`; its replicas count for nothing
         meanwhile). Public for tests."""
         for msg in batch:
-            self._on_message(msg.metadata.sequence.stream, msg.data)
+            self._on_message(msg.metadata.sequence.stream, msg.data, _origin(msg))
             if not self.index.synced:
                 break
             await asyncio.sleep(0)
@@ -263,11 +276,25 @@ class IndexFollower:
             self._log.warning("event_undecodable", seq=seq, error=exc.message)
             return m.GroupsAccessed(groups=[])
 
-    def _on_message(self, seq: int, data: bytes) -> None:
+    def _on_message(self, seq: int, data: bytes, origin: tuple[int, int] | None = None) -> None:
         event = self._decode(seq, data)
-        result = self.index.apply(seq, event)
+        result = self.index.apply(seq, event, origin)
         if result == "gap":
             self._log.warning("events_gap", seq=seq, last_seq=self.index.last_seq)
+        elif result == "fenced":
+            # A replaced shard core's late event (`kvfabric.core.shard_fence`): not applied. A
+            # drained outbox's thousand or two of them: the first of each (shard, epoch) logged,
+            # the rest counted (`index_events_fenced`).
+            if origin is None and isinstance(event, m.ShardStarted):
+                origin = (event.shard, event.epoch)
+            if self.index.fence.first_fenced(origin):
+                self._log.info(
+                    "event_fenced",
+                    seq=seq,
+                    kind=type(event).__name__,
+                    origin=origin,
+                    fenced=self.index.counters["events_fenced"],
+                )
         elif isinstance(event, m.ShardStarted) and result == "applied":
             self.pacing.marked(self._now_ms())
             self._log.info("shard_started_resync", seq=seq, shard=event.shard, epoch=event.epoch)
@@ -349,10 +376,8 @@ class IndexFollower:
                     at = msg.metadata.sequence.stream
                     if at > until:
                         break
-                    if self.index.resync_replay(token, at, self._decode(at, msg.data)) not in {
-                        "applied",
-                        "duplicate",
-                    }:
+                    replayed = self.index.resync_replay(token, at, self._decode(at, msg.data), _origin(msg))
+                    if replayed not in {"applied", "duplicate", "fenced"}:
                         return False
                     seq = max(seq, at)
                     await asyncio.sleep(0)
@@ -413,6 +438,9 @@ class IndexFollower:
         """List the directory and replace the index (events after `at_seq` replay on top)."""
         started = time.monotonic()
         token, listed_epochs = await self._list_into_index(at_seq)
+        # The leaders' epochs listed fence their predecessors' late events after `at_seq`:
+        # markers among the events lost are not seen (`RoutingIndex`, "fenced").
+        self.index.fence.raise_to(listed_epochs)
         if not self.index.resync_done(token):
             # Replaced by another listing's view (which `_list_into_index` prevents): listed
             # again, as after a failed listing.
