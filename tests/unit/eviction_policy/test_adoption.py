@@ -24,7 +24,11 @@ from kvfabric.proto.segment import SSD_SLOT_BASE
 from tests.unit.eviction_policy.test_shell import NAMESPACE_A, A, chain, published
 
 
-def summary(i: int, *replicas: tuple[str, int], size: int = 10, state: str = "published") -> m.GroupSummary:
+def summary(
+    i: int, *replicas: tuple[str, int], size: int = 10, state: str = "published", incarnation: int = 1
+) -> m.GroupSummary:
+    """Group `i` listed with one object of `size` bytes, a replica per (segment, slot), each of
+    that segment's `incarnation`."""
     return m.GroupSummary(
         group=chain(i),
         namespace=NAMESPACE_A,
@@ -39,7 +43,7 @@ def summary(i: int, *replicas: tuple[str, int], size: int = 10, state: str = "pu
                 size_bytes=size,
                 checksum=b"",
                 replicas=[
-                    m.Replica(segment_id=sid, incarnation=1, slot=slot, slot_generation=1)
+                    m.Replica(segment_id=sid, incarnation=incarnation, slot=slot, slot_generation=1)
                     for sid, slot in replicas
                 ],
             )
@@ -178,7 +182,10 @@ def test_an_adopted_head_taken_again_from_its_event_keeps_the_links_it_had_befor
     sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), t - 700)
     sh.apply(m.GroupInvalidated(group=chain(1), reason="replica_lost", domain=A), t - 700)
     sh.apply(m.SegmentUp(segment_id="s1", incarnation=2, capacity_bytes=1_000), t - 600)
-    sh._router = Listing([summary(1, ("s1", SSD_SLOT_BASE)), summary(2, ("s2", SSD_SLOT_BASE))])
+    # (s1's disk tier reported under its new incarnation: docs/segment.md, "Disk tier")
+    sh._router = Listing(
+        [summary(1, ("s1", SSD_SLOT_BASE), incarnation=2), summary(2, ("s2", SSD_SLOT_BASE))]
+    )
     assert asyncio.run(sh.adopt_listed()) == 1 and head in sh._adopted
     assert sh._with_disk_tails([head]) == [tail, head]
     later = t + 10_000  # (after the adoption's own clock readings)

@@ -22,6 +22,7 @@ from kvfabric.core.eviction import EvictBatch
 from kvfabric.eviction_policy import shell as shell_module
 from kvfabric.eviction_policy.group_records import MISSED_FORGET_MS, group_id_of
 from kvfabric.eviction_policy.shell import EvictionShell, now_ms
+from kvfabric.format.clock import monotonic_ms
 from kvfabric.format.errors import Unavailable
 from kvfabric.format.ids import GroupId, GroupKey
 from kvfabric.proto import directory as m
@@ -35,15 +36,22 @@ def group_id(i: int) -> bytes:
 
 
 class Clock:
-    """The shell's clock (`shell.now_ms`, which its driver reads) `skew_ms` ahead of the wall
-    clock: minutes pass at once."""
+    """The shell's clocks `skew_ms` ahead of the real ones: its wall clock (`shell.now_ms`, which
+    its driver reads) and its monotonic one (`shell.monotonic_ms`, the missed groups' times:
+    `EvictionShell._missed_clock_ms`), so that minutes pass at once; `jump_wall` steps the wall
+    clock only (an NTP step)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.skew_ms = 0
-        monkeypatch.setattr(shell_module, "now_ms", lambda: now_ms() + self.skew_ms)
+        self.wall_skew_ms = 0
+        monkeypatch.setattr(shell_module, "now_ms", lambda: now_ms() + self.skew_ms + self.wall_skew_ms)
+        monkeypatch.setattr(shell_module, "monotonic_ms", lambda: monotonic_ms() + self.skew_ms)
 
     def advance(self, ms: int) -> None:
         self.skew_ms += ms
+
+    def jump_wall(self, ms: int) -> None:
+        self.wall_skew_ms += ms
 
 
 class Sharded(Listing):

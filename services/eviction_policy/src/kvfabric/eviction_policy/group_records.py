@@ -41,19 +41,27 @@ I/O, no awaits; each call atomic on the event loop, but for a `segment_down` thr
   `EvictionShell.adopt_listed`): one it names with other pools moves to them (`_relisted`: a
   dead segment's replica swept, a drop whose republish was lost); one that a whole listing
   did not name, nor any `published` event since, is missed (`_missed`, with the time the first
-  such listing began), and goes once a whole listing that began `MISSED_FORGET_MS` after that
-  misses it too (`_missed_twice_gone`: evicted, invalidated or lost in the gap). Neither one
-  listing nor two in a row are enough: a new directory leader whose rebuild missed a segment
-  lists none of its groups until that segment's own rebuild, which backs off up to 5 minutes
-  (docs/directory-ha.md), while every shard's `shard_started` of a failover asks for another
-  adoption within seconds; a hot group forgotten then came back from a later listing ranked
-  coldest (review, 2026-12-07, twice). A segment the directory no longer has up, holding no
+  such listing began, on the shell's monotonic clock: `EvictionShell._missed_clock_ms`, so a
+  wall clock stepped forward ages no miss), and goes once a whole listing that began
+  `MISSED_FORGET_MS` after that misses it too (`_missed_twice_gone`: evicted, invalidated or
+  lost in the gap). Neither one listing nor two in a row are enough: a new directory leader
+  whose rebuild missed a segment lists none of its groups until that segment's own rebuild,
+  which backs off up to 5 minutes (docs/directory-ha.md), while every shard's `shard_started`
+  of a failover asks for another adoption within seconds; a hot group forgotten then came
+  back from a later listing ranked coldest (review, 2026-12-07, twice). A listed replica of a
+  segment incarnation seen down here (`_down_incarnation`: the listing may predate the
+  directory's sweep) is not counted, for a group adopted as for one relisted
+  (`published_of_summary`'s `down`; review, 2026-12-07: a group adopted after its segment's
+  `segment_down` had its bytes counted on the dead segment for good); one of that incarnation
+  heard up again (`segment_up`) counts. A segment the directory no longer has up, holding no
   bytes here any more, goes with its pools (`_dead_segment_dropped`), as its lost
-  `segment_down` would have. Which adoption last named each tracked group is kept in four
-  sets that partition the tracked groups (`_named`, `_unnamed`, and the dicts `_missed`,
-  `_doomed`; `check_named`): an adoption swaps and pops them, never copies them (a copy of
-  3,000,000 keys held the loop 0.2-0.4 s; review, 2026-12-07), and one it empties is bound
-  anew (a set or dict emptied by pops keeps its table: 134 MB at 3,000,000 groups).
+  `segment_down` would have (its incarnation recorded down only when the listing names it
+  down, not when it lacks it). Which adoption last named
+  each tracked group is kept in four sets that partition the tracked groups (`_named`,
+  `_unnamed`, and the dicts `_missed`, `_doomed`; `check_named`): an adoption swaps and pops
+  them, never copies them (a copy of 3,000,000 keys held the loop 0.2-0.4 s; review,
+  2026-12-07), and one it empties is bound anew (a set or dict emptied by pops keeps its
+  table: 134 MB at 3,000,000 groups).
 - a demotion that finds no arena replica of its victim on the segment and none on that disk,
   and no republish held back to say where it is (`_listed_where`): the group moves to the
   pools its fresh `show_group` listing names (a segment not heard of yet counted, as the
@@ -74,7 +82,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from typing import Final
 
 import msgspec
@@ -125,13 +133,18 @@ def pools_text(pools: dict[str, int]) -> str:
 
 
 def published_of_summary(
-    summary: m.GroupSummary, *, without: Collection[str] = ()
+    summary: m.GroupSummary,
+    *,
+    without: Collection[str] = (),
+    down: Mapping[str, int] | None = None,
 ) -> m.GroupPublished | None:
     """A listed group (`list_groups` with objects) as the `published` event that would have told
     the policy of it: bytes per segment (all replicas there but on the segments `without`: gone
-    since the listing) and of those in its disk tier (a replica's slot says its tier), one
-    copy's bytes; no parent (a listing does not say it). None for one not published, or with no
-    live replica of a positive size."""
+    since the listing, and those of an incarnation `down` says went down: segment -> the newest
+    incarnation seen down, `GroupRecords._down_incarnation`; the listing may predate the
+    directory's sweep of them) and of those in its disk tier (a replica's slot says its tier),
+    one copy's bytes; no parent (a listing does not say it). None for one not published, or
+    with no live replica of a positive size."""
     if summary.state != "published" or len(summary.namespace) != NAMESPACE_BYTES:
         return None
     placements: dict[str, int] = {}
@@ -141,7 +154,7 @@ def published_of_summary(
             continue
         for replica in obj.replicas:
             sid = replica.segment_id
-            if sid in without:
+            if sid in without or (down is not None and replica.incarnation <= down.get(sid, -1)):
                 continue
             placements[sid] = placements.get(sid, 0) + obj.size_bytes
             if tier_of_slot(replica.slot) == "ssd":
@@ -191,9 +204,13 @@ class GroupRecords:
     # writer's rate: `EvictionShell._fresh`)
     _events_fresh: bool
     _dropping: set[str]  # the pools of a lost segment while they are dropped in steps
-    # segment -> the newest incarnation whose `segment_down` was applied here (bounded by the
-    # segments): a replica of it, or of an older one, that a `show_group` listing still shows
-    # predates the directory's sweep (`_listed_where`)
+    # segment -> the newest incarnation seen down here, as of its `segment_down` (bounded by
+    # the segments): a replica of it, or of an older one, that a listing still shows predates
+    # the directory's sweep (`_listed_where`, `published_of_summary`). A `segment_up` of that
+    # very incarnation takes it back to the one before (the directory has it up again: a core
+    # that never saw the segment registers it from the registry under the same incarnation,
+    # `shard_host._introduce`); a segment's drop only inferred from its absence in a segment
+    # listing records nothing (`_dead_segment_dropped`).
     _down_incarnation: dict[str, int]
     # group key -> when its links go (`LOST_LINKS_KEEP_MS` after its latest loss), and per segment
     # loss (that time, its lost groups not yet looked at), oldest first
@@ -219,7 +236,8 @@ class GroupRecords:
     # or after a listing cut short or failed); not named by a whole listing nor by an event
     # since (`_missed`: -> when the first such listing began; a whole listing that misses it
     # too and began `MISSED_FORGET_MS` after that forgets it); missed by the whole listing just
-    # read, being judged (`_doomed`, the same times: forgotten, or back to `_missed`). Bounded
+    # read, being judged (`_doomed`, the same times: forgotten, or back to `_missed`). These
+    # times, and `_missed_oldest_ms`, are the shell's monotonic ms (`_missed_clock_ms`). Bounded
     # by the groups tracked: one entry each (~45 bytes in a set, ~56 in a dict with its time,
     # the time object shared by the groups one listing missed). Containers, not a stamp per
     # record: an adoption finds the groups it did not name by swapping them and judges them by
@@ -283,6 +301,12 @@ class GroupRecords:
                 self._up_while_adopting.add(event.segment_id)
             if event.incarnation > self._up_incarnation.get(event.segment_id, 0):
                 self._up_incarnation[event.segment_id] = event.incarnation
+            if self._down_incarnation.get(event.segment_id) == event.incarnation:
+                # That incarnation up again (review, 2026-12-07: the listings' replicas of it
+                # were left out for good, its groups missed and forgotten, its bytes counted
+                # nowhere); the older ones stay down. (One below the incarnation seen down is
+                # an older process's: no news.)
+                self._down_incarnation[event.segment_id] = event.incarnation - 1
             if event.capacity_bytes:
                 self._set_capacity(event.segment_id, event.capacity_bytes)
         self.events_applied += 1
@@ -505,7 +529,9 @@ class GroupRecords:
         rebuilt yet, which takes it up to 5 minutes), one being evicted or demoted (its batch's
         answer decides: `not_found` forgets it), and one whose every pool is being dropped right
         now (its segment's loss, in steps, takes it and keeps its links for its adoption from a
-        disk tier). True when it went."""
+        disk tier). `first_ms` and `began_ms` are on the shell's monotonic clock
+        (`EvictionShell._missed_clock_ms`: a wall clock stepped forward would age them), `at_ms`
+        the decision's time (the driver's). True when it went."""
         if key not in self._group_ids:  # (forgotten: not in the sets any more)
             return False
         held = self._held.get(key)
@@ -568,7 +594,7 @@ class GroupRecords:
         self._republished(key, pools, at_ms, group_bytes, reason="listed")
         return "moved"
 
-    def _dead_segment_dropped(self, segment_id: str, incarnation: int, at_ms: int) -> bool:
+    def _dead_segment_dropped(self, segment_id: str, incarnation: int, at_ms: int, *, listed: bool) -> bool:
         """A segment the directory's segment listing, taken after its groups were listed, does
         not have up (`incarnation`: the newest it lists, else the newest heard up here): its
         arena and disk pools go as its `segment_down` would take them (`_segment_down`), once
@@ -576,7 +602,13 @@ class GroupRecords:
         not one heard up since the adoption began (`_up_while_adopting`: the listing is older),
         nor one whose incarnation heard up is newer than the one listed, nor one being dropped
         already. A pool still holding bytes (groups events named since the adoption began) is
-        left to the segment's own `segment_down`. True when its pools went."""
+        left to the segment's own `segment_down`. Only a segment the listing names down
+        (`listed`) has that incarnation recorded down (`_down_incarnation`): one the listing
+        lacks may be back under the same incarnation with no event (a new leader's rebuild
+        that missed it, then one that adopts it again; review, 2026-12-07: its replicas were
+        left out of every later listing, its groups forgotten, its bytes counted nowhere), and
+        while no shard lists it, none lists a replica of it either. True when its pools
+        went."""
         pools = (segment_id, ssd_pool(segment_id))
         if (
             (self._up_while_adopting is not None and segment_id in self._up_while_adopting)
@@ -586,7 +618,13 @@ class GroupRecords:
         ):
             return False
         # as its lost `segment_down` event would have been applied (empty pools: no step)
+        down_before = self._down_incarnation.get(segment_id)
         self.apply(m.SegmentDown(segment_id=segment_id, incarnation=incarnation, reason="not_listed"), at_ms)
+        if not listed:  # inferred only: recorded nothing (see above)
+            if down_before is None:
+                del self._down_incarnation[segment_id]
+            else:
+                self._down_incarnation[segment_id] = down_before
         return True
 
     def _name(self, key: bytes) -> None:

@@ -28,6 +28,11 @@ class EvictionCollector(Collector):
             "kvfabric_eviction_events_applied", "Directory events applied.", value=status.events_applied
         )
         yield CounterMetricFamily(
+            "kvfabric_eviction_events_fenced",
+            "Directory events of a replaced shard core (an epoch below one seen): not applied.",
+            value=self.shell.events_fenced,
+        )
+        yield CounterMetricFamily(
             "kvfabric_eviction_requests_failed",
             "Evict requests without an answer.",
             value=self.shell.evict_requests_failed,

@@ -6,8 +6,13 @@ event loop):
 - **follower**: reads the directory's JetStream event stream from its first message with an
   ephemeral pull consumer (no acks; batches of `EVENTS_FETCH_MAX`, so memory stays bounded and a
   slow policy just lags; at the stream's end it waits `EVENTS_LINGER_S` after a short batch, so
-  events a save apart share one pull request), one event a turn of the loop. Each event goes
-  through `apply` (`GroupRecords`,
+  events a save apart share one pull request), one event a turn of the loop. An event whose
+  `Kvf-Shard-Epoch` header names an epoch below one already seen for its shard (a replaced
+  core's, landed after its successor's `shard_started`: a handover's drain runs while the lease
+  is released) is dropped, counted `events_fenced` (`kvfabric.core.shard_fence`; logged the
+  first of each shard and epoch), a stale marker too; an adoption raises that fence to the shard
+  epochs it lists under (a marker lost with the events it makes up for is never seen). Each
+  event goes through `apply` (`GroupRecords`,
   `group_records.py`: the per-group records kept beside the core). `published` → `core.insert`
   (object = chunk group, pools = the segments holding its bytes, tenant = its share domain,
   parent = the previous chunk; a put_commit's groups come as one `GroupsPublished`, a republish or an older
@@ -95,7 +100,11 @@ call it with their own times), so a `feed` (an await and
 the driver's lock per event) would add latency for no change in meaning; and what a victim
 batch's answers do to the core (`refused`, `removed`, a demoted group's move) happens while
 the driver performs that Tick's effects, which must never feed the same driver (it would wait
-for itself: `kvfabric.runtime.core_driver`).
+for itself: `kvfabric.runtime.core_driver`). The adopter's own times, never given to the core
+(when a listing first missed each tracked group, `GroupRecords._missed`, and when the latest
+adoption began), are on the monotonic clock instead (`_missed_clock_ms`): they are compared
+only with each other, and a wall clock stepped forward must not make a miss
+`MISSED_FORGET_MS` old at once.
 
 The policy's state is rebuilt from the stream at every start; the groups published by events
 the stream no longer holds come from the directory's listing (the adopter;
@@ -123,6 +132,7 @@ from kvfabric.cluster.requests import request as nats_request
 from kvfabric.core.eviction import EvictBatch, EvictionCore
 from kvfabric.core.eviction_admission import bloom_has, filter_parts, length_class, with_bloom
 from kvfabric.core.eviction_events import EvictionEvent, EvictionOutput, Tick
+from kvfabric.core.shard_fence import ShardEpochFence
 from kvfabric.core.stream_bounds import StreamBounds
 from kvfabric.eviction_policy.decisions import DECISIONS_GROUPS_DEFAULT, DecisionLog
 from kvfabric.eviction_policy.group_records import (
@@ -149,7 +159,7 @@ from kvfabric.eviction_policy.tiers import (
     ssd_pool,
     ssd_pool_capacity,
 )
-from kvfabric.format.clock import now_ms
+from kvfabric.format.clock import monotonic_ms, now_ms
 from kvfabric.format.errors import BadRequest, Conflict, Indeterminate, KvfError, NotFound, Unavailable
 from kvfabric.format.ids import (
     GROUP_ID_BYTES,
@@ -252,7 +262,8 @@ class EvictionShell(GroupRecords):
         # which adoption last named each tracked group: see `GroupRecords`
         self._named: set[bytes] = set()
         self._unnamed: set[bytes] = set()
-        self._missed: dict[bytes, int] = {}  # group key -> when the first listing missing it began
+        # group key -> when the first listing missing it began (`_missed_clock_ms`, as the two below)
+        self._missed: dict[bytes, int] = {}
         self._doomed: dict[bytes, int] = {}
         self._missed_oldest_ms = 0
         self._adoption_began_ms = 0  # the latest adoption's (`_confirm_due_ms`)
@@ -311,6 +322,10 @@ class EvictionShell(GroupRecords):
         self.last_seq = 0  # stream sequence of the last event applied
         self.events_applied = 0
         self.events_stale = 0  # applied past INFLOW_EVENT_AGE_MAX_MS: not counted as inflow
+        # Per shard, the highest epoch an event's header named: a replaced core's late events
+        # are dropped, counted (`_decoded`).
+        self._shard_epochs = ShardEpochFence()
+        self.events_fenced = 0
         self.evict_requests_failed = 0
         self.caught_up = asyncio.Event()  # set once the follower has read to the stream's end
 
@@ -457,8 +472,9 @@ class EvictionShell(GroupRecords):
 
     def _decoded(self, msg: Msg) -> msgspec.Struct | None:
         """The event to apply from `msg`, after the follower's check for a gap before it. None:
-        applied already (a redelivery), or undecodable (then taken as applied); the caller
-        marks the event `_applied` once it is whole."""
+        applied already (a redelivery), undecodable, or a replaced shard core's (its header's
+        epoch below one seen for its shard: fenced, counted `events_fenced`); the last two taken
+        as applied. The caller marks the event `_applied` once it is whole."""
         seq = msg.metadata.sequence.stream
         if seq <= self.last_seq:
             return None  # a redelivery after a consumer restart: applied already
@@ -471,6 +487,26 @@ class EvictionShell(GroupRecords):
             event: msgspec.Struct = m.event_decoder.decode(msg.data)
         except BadRequest as exc:
             self._log.warning("event_undecodable", seq=seq, error=exc.message)
+            self._applied(seq)
+            return None
+        origin = m.shard_epoch_of(getattr(msg, "headers", None))
+        if origin is None and isinstance(event, m.ShardStarted):
+            origin = (event.shard, event.epoch)
+        if not self._shard_epochs.admit(origin):
+            # A replaced shard core's late event (landed after its successor's `shard_started`:
+            # a handover's drain runs while the lease is released): not applied, a stale marker
+            # asks for no adoption (`kvfabric.core.shard_fence`).
+            # A drained outbox's thousand or two: the first of each (shard, epoch) logged, the
+            # rest counted.
+            self.events_fenced += 1
+            if self._shard_epochs.first_fenced(origin):
+                self._log.info(
+                    "event_fenced",
+                    seq=seq,
+                    kind=type(event).__name__,
+                    origin=origin,
+                    fenced=self.events_fenced,
+                )
             self._applied(seq)
             return None
         if isinstance(event, m.ShardStarted):
@@ -525,7 +561,7 @@ class EvictionShell(GroupRecords):
             if due is None:
                 await self._adopt_wanted.wait()
                 return
-            left_ms = due - self._driver.now_ms()
+            left_ms = due - self._missed_clock_ms()
             if left_ms <= 0:
                 self._log.info("adoption_confirming", missed=len(self._missed))
                 return
@@ -533,12 +569,22 @@ class EvictionShell(GroupRecords):
                 await asyncio.wait_for(self._adopt_wanted.wait(), left_ms / 1000)
 
     def _confirm_due_ms(self) -> int | None:
-        """When the adoption that confirms the missed groups gone is due (driver ms): once the
-        oldest miss is `MISSED_FORGET_MS` old (no sooner: it would keep it missed), and
+        """When the adoption that confirms the missed groups gone is due (`_missed_clock_ms`):
+        once the oldest miss is `MISSED_FORGET_MS` old (no sooner: it would keep it missed), and
         `MISSED_CONFIRM_GAP_MS` after the latest adoption began. None with none missed."""
         if not self._missed and not self._doomed:
             return None
         return max(self._missed_oldest_ms + MISSED_FORGET_MS, self._adoption_began_ms + MISSED_CONFIRM_GAP_MS)
+
+    @staticmethod
+    def _missed_clock_ms() -> int:
+        """The clock of the missed groups' times (`GroupRecords._missed`, `_missed_oldest_ms`,
+        `_adoption_began_ms`, `_confirm_due_ms`): this process's monotonic clock (read through
+        this module's `monotonic_ms`), not the driver's wall clock. Only compared with its own
+        readings: on the wall clock, a step forward (NTP, a host's clock set) made groups missed
+        seconds before look `MISSED_FORGET_MS` old, forgotten by the next listing that missed
+        them (review, 2026-12-07). The decisions recorded keep the driver's time."""
+        return monotonic_ms()
 
     async def _reach(self, seq: int) -> bool:
         """Wait until the follower has applied stream sequence `seq`, as long as it keeps
@@ -563,10 +609,17 @@ class EvictionShell(GroupRecords):
         no parent (a listing does not say it). A page may be older than events the follower
         applied meanwhile: a group forgotten (evicted, invalidated, lost) since the adoption
         began is not taken from it, nor a replica on a segment gone down since (or still being
-        dropped as it began: its pools dropped already would hold it for good). An adopted
+        dropped as it began: its pools dropped already would hold it for good), nor one of a
+        segment incarnation seen down here before, and not heard up again since
+        (`GroupRecords._down_incarnation`: the
+        directory's sweep of it may come after the page; counted, its bytes stayed on the dead
+        segment for good, for an adopted group as for a relisted one). An adopted
         group whose own `published` event the follower reaches afterwards is taken again from
         it (`GroupRecords._published`); once the follower has read past the stream's end as of
-        the listing, none can come.
+        the listing, none can come. The shard epochs the listing reads under (those the router
+        knows as it begins, each page's) raise the follower's fence (`_shard_epochs`): the
+        events lost may have held a new core's `shard_started`, and its predecessor's late
+        events (an `evicted` of a group the new core holds) must not be applied after it.
 
         A resync, not only an addition: what the lost events removed is removed too. A tracked
         group a page names, and no event applied since the adoption began named, moves to the
@@ -589,21 +642,30 @@ class EvictionShell(GroupRecords):
         whole = True  # every shard listed to its last page
         await self._begin_naming()
         # (no await from the swap above to here: what is named from now on is named since the
-        # adoption began, `began` on the driver's clock) A segment still being dropped
+        # adoption began, `began` on `_missed_clock_ms`) A segment still being dropped
         # (`GroupRecords._segment_down`, in steps) is down too: its pools already dropped would
         # take a listed replica back, on a dead segment.
-        began = self._adoption_began_ms = self._driver.now_ms()
+        began = self._adoption_began_ms = self._missed_clock_ms()
         self._gone_while_adopting = set()
         self._down_while_adopting = {p for p in self._dropping if not is_ssd_pool(p)}
         self._up_while_adopting = set()
         try:
-            for shard in range(await router.known_shards()):
+            shards = await router.known_shards()
+            # The leaders listed fence their predecessors' late events (`_decoded`): a marker lost
+            # with the events this adoption makes up for is never seen (the router's gap listing
+            # does the same, `kvfabric.router.index_follower`). The epochs known as it begins (the
+            # shard map's, the replies'), then each page's own, before its groups are taken.
+            self._shard_epochs.raise_to(router.epochs)
+            for shard in range(shards):
                 last: m.GroupList | None = None
                 async for page in router.shard_pages(shard, query, self.request_timeout_s, ADOPT_PAGES_MAX):
+                    self._shard_epochs.raise_to({shard: page.epoch})
                     last = page
                     at = self._driver.now_ms()
                     for summary in page.groups:
-                        event = published_of_summary(summary, without=self._down_while_adopting)
+                        event = published_of_summary(
+                            summary, without=self._down_while_adopting, down=self._down_incarnation
+                        )
                         if event is None:
                             continue
                         key = group_key_of_id(self._group_id_of(event))
@@ -652,8 +714,9 @@ class EvictionShell(GroupRecords):
             self._unnamed, self._named = self._named, set()
 
     async def _forget_missed(self, began_ms: int) -> tuple[int, int]:
-        """After a whole listing that began at `began_ms`: the groups missed before (`_missed`)
-        that neither it nor an event since named are judged (`_doomed`, `_missed_twice_gone`):
+        """After a whole listing that began at `began_ms` (`_missed_clock_ms`, as the times in
+        `_missed`): the groups missed before (`_missed`) that neither it nor an event since
+        named are judged (`_doomed`, `_missed_twice_gone`):
         gone if first missed `MISSED_FORGET_MS` before `began_ms`, else missed still, with
         their first miss (victims under way and groups being dropped with their segment are
         missed still too); those only this listing missed (`_unnamed`) are missed since
@@ -719,7 +782,7 @@ class EvictionShell(GroupRecords):
             if info is not None and info.up:
                 continue
             incarnation = info.incarnation if info is not None else self._up_incarnation.get(segment_id, 0)
-            dropped += self._dead_segment_dropped(segment_id, incarnation, at)
+            dropped += self._dead_segment_dropped(segment_id, incarnation, at, listed=info is not None)
         self.segments_unlisted += dropped
         return dropped
 
