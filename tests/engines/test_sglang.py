@@ -534,7 +534,7 @@ def test_a_rekey_returns_while_the_old_client_still_closes(monkeypatch: pytest.M
     """SGLang records a new weight version and flushes its cache at once: the flush joins each
     storage thread for 10 s and fails the weight update if one is still alive. The call that
     re-keys returns while the replaced client still closes (a close waits for its saves in
-    flight: up to ~141 s by default; it was closed in the call: review, 2026-12-07); the new
+    flight: up to ~172 s by default; it was closed in the call: review, 2026-12-07); the new
     client serves the metrics the old one served (the old one's close leaves the server up),
     and the backend's `close` waits for a replaced client's close to end."""
     import threading
@@ -586,6 +586,134 @@ def test_a_rekey_returns_while_the_old_client_still_closes(monkeypatch: pytest.M
     shutdown.join(60)
     assert not shutdown.is_alive() and ended.is_set() and inner._replaced == set()
     assert first.metrics._server is None  # stopped by the client that served it last
+
+
+def test_a_replaced_clients_late_start_leaves_the_metrics_served_for_the_newest_client(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The old client's background start had not reached `metrics.serve` when a re-key handed
+    its metrics to the new client: it served them afterwards (taking the server back, as the
+    one whose close stops it), and its close stopped the server the new client served: no
+    metrics for good. Once that close has ended the newest client serves them again,
+    and stops them at the backend's `close()`."""
+    import threading
+    import urllib.request
+
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    from kvfabric.client.aio import AsyncKvClient
+
+    served = served_versions(monkeypatch)
+    gate, gated = threading.Event(), list[AsyncKvClient]()
+    real_start = AsyncKvClient.start
+
+    async def start(self: AsyncKvClient) -> None:
+        if not gated:  # the first client's start: held before it serves the metrics
+            gated.append(self)
+            await asyncio.to_thread(gate.wait, 60)
+        await real_start(self)
+
+    monkeypatch.setattr(AsyncKvClient, "start", start)
+    pool = kit.host_pool()
+    storage = kit.backend(kit.extra_config(f"nats://127.0.0.1:{free_port()}", metrics_port=0), pool)
+    inner = kit.kvfabric_of(storage)
+    first = inner.client
+    assert first is not None and gated == [first.aio] and first.metrics._server is None
+    metrics = first.metrics
+    entered, let_go, ended = closing_slowly(monkeypatch, first)
+    keys, info = kit.page_keys(4, seed=74), HiCacheStorageExtraInfo(prefix_keys=[])
+    try:
+        served["version"] = "rl-step-1"
+        assert storage.batch_exists(keys, info) == 0 and inner.rekeys == 1
+        second = inner.client
+        assert second is not None and second is not first and second.metrics is metrics
+        assert entered.wait(10)  # the first client's close started, held
+        deadline = time.monotonic() + 30
+        while metrics._server is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert metrics._server is not None  # the new client's start served them
+        gate.set()  # now the first client's start reaches `metrics.serve` (and fails: no NATS)
+        deadline = time.monotonic() + 30
+        while first.status.state == "starting" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert first.status.state == "disabled"
+    finally:
+        gate.set()
+        let_go.set()
+    assert ended.wait(60)  # its close stopped the server it took back
+    deadline = time.monotonic() + 10
+    while metrics._server is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metrics._server is not None and inner.client is second  # served for the newest
+    port = metrics._server.port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        assert b"kvfabric_client_fallbacks_total" in reply.read()
+    storage.close()
+    assert metrics._server is None  # stopped by the client that served them last
+
+
+def test_serving_the_metrics_for_the_newest_client_never_holds_the_batch_calls_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`_run_close`'s serve for the newest client (`_serve_metrics_for_newest`: a socket bind, a
+    host name, a thread start) ran under `_lock` as well as `_rekey_lock`, and every batch call,
+    `clear` and `get_stats` wait on `_lock`: a slow serve stalled SGLang's storage threads. Now
+    it holds `_rekey_lock` alone (which guards `_closed` and every swap of `client`)."""
+    import threading
+
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    served_versions(monkeypatch)
+    pool = kit.host_pool()
+    storage = kit.backend(kit.extra_config(f"nats://127.0.0.1:{free_port()}", metrics_port=0), pool)
+    inner = kit.kvfabric_of(storage)
+    client = inner.client
+    assert client is not None
+    metrics = client.metrics
+    entered, let_go = threading.Event(), threading.Event()
+    real_serve = metrics.serve
+
+    def serve(port: int, host: str = "127.0.0.1") -> int:
+        if threading.current_thread().name == "test-run-close":  # the re-serve only: held
+            entered.set()
+            let_go.wait(60)
+        return int(real_serve(port, host))
+
+    monkeypatch.setattr(metrics, "serve", serve)
+
+    class Replaced:  # a replaced client whose late start took the metrics back, now closed
+        def __init__(self) -> None:
+            self.aio = SimpleNamespace(serves_metrics=True)
+            self.metrics = metrics
+
+        def close(self) -> None:
+            return None
+
+    closer = threading.Thread(
+        target=inner._run_close, args=(Replaced(),), kwargs={"hand_metrics": True}, name="test-run-close"
+    )
+    keys, info = kit.page_keys(4, seed=75), HiCacheStorageExtraInfo(prefix_keys=[])
+    answers: list[object] = []
+
+    def batch_calls() -> None:
+        answers.append(storage.batch_exists(keys, info))
+        inner.clear()
+        answers.append(inner.get_stats())
+
+    calls = threading.Thread(target=batch_calls)
+    try:
+        closer.start()
+        assert entered.wait(10)  # the serve for the newest client has begun, held
+        calls.start()
+        calls.join(10)
+        assert not calls.is_alive() and len(answers) == 2 and answers[0] == 0  # not waiting on it
+    finally:
+        let_go.set()
+        closer.join(30)
+        calls.join(30)
+    assert not closer.is_alive() and client.aio.serves_metrics and metrics._server is not None
+    storage.close()
+    assert metrics._server is None
 
 
 def test_a_rekey_that_cannot_make_its_client_leaves_the_cache_disabled_saying_why(
@@ -644,7 +772,7 @@ def test_a_rekey_that_cannot_make_its_client_leaves_the_cache_disabled_saying_wh
 
 
 def test_replaced_clients_still_closing_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each re-key's replaced client lives until its close ends (up to ~141 s): weight updates
+    """Each re-key's replaced client lives until its close ends (up to ~172 s): weight updates
     every few seconds kept one more each (review of the change). At `REPLACED_CLOSING_MAX` still
     closing, a new version's calls miss without a re-key until one close ends."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo

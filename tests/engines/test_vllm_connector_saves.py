@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from kvfabric.client import ClientMetrics, Hit
+from kvfabric.client.hits import SaveResult
 from kvfabric.format.clock import now_ms
 from tests.engines.tinymodel import build_tiny_llama, prompt_ids
 
@@ -308,12 +309,15 @@ def test_a_lookup_cancelled_while_vllm_waits_for_it_is_a_miss(scheduler_side: An
 
 
 class FakeSaveClient:
-    """Records `save_async` calls (objects, and a future the test finishes); real save memory."""
+    """Records `save_async` calls (objects, and a future the test finishes); real save memory
+    (none with `save_memory=False`: the worker gathers blocks into plain copies)."""
 
-    def __init__(self, inflight_bytes: int) -> None:
+    def __init__(self, inflight_bytes: int, *, save_memory: bool = True) -> None:
         from kvfabric.client.save_memory import SaveMemoryRegistry
 
-        self.settings = SimpleNamespace(save_inflight_bytes_max=inflight_bytes, load_timeout_ms=10_000)
+        self.settings = SimpleNamespace(
+            save_inflight_bytes_max=inflight_bytes, saves_queued_max=64, load_timeout_ms=10_000
+        )
         self.save_memory_registry = SaveMemoryRegistry()
         self.saves: list[tuple[list[list[memoryview]], concurrent.futures.Future[Any] | None]] = []
         self.drop = False
@@ -323,15 +327,36 @@ class FakeSaveClient:
         self.saved_for: list[str | None] = []
         self.metrics = ClientMetrics()
         self.enabled = True
+        self.has_save_memory = save_memory
+        # Other saves handed to the client's loop and not ended there, and their bytes, as a test
+        # sets them (the saves this fake records are not counted): the real client's rule on
+        # them, `handed_refusal`, refuses a save in the caller's thread (`queue_full`, `bytes`).
+        self.handed_saves = 0
+        self.handed_bytes = 0
+        self.refusal_asks: list[tuple[int, bool]] = []
 
     def off_cause(self) -> str:
         return "starting"
+
+    def _refusal(self, nbytes: int, rate_taken: bool) -> str | None:
+        from kvfabric.client.sync import handed_refusal
+
+        if not self.enabled:
+            return self.off_cause()
+        settings: Any = self.settings
+        return handed_refusal(self.handed_saves, self.handed_bytes, nbytes, settings, rate_taken=rate_taken)
+
+    def save_async_refusal(self, nbytes: int, *, rate_taken: bool = False) -> str | None:
+        self.refusal_asks.append((nbytes, rate_taken))
+        return self._refusal(nbytes, rate_taken)
 
     def take_save_rate(self, chunk_sizes: list[int]) -> int:
         self.rate_asks.append(list(chunk_sizes))
         return len(chunk_sizes) if self.rate_admits is None else min(self.rate_admits, len(chunk_sizes))
 
     def save_memory(self, nbytes: int) -> Any:
+        if not self.has_save_memory:
+            raise OSError("no save memory here (the test's)")
         return self.save_memory_registry.allocate(nbytes)
 
     def save_async(
@@ -343,6 +368,12 @@ class FakeSaveClient:
         trace_id: str | None = None,
         **_: Any,
     ) -> Any:
+        refused = self._refusal(sum(o.nbytes for row in objects for o in row), rate_taken)
+        if refused is not None:  # as the client: done at once, counted, the buffers given back
+            self.metrics.saves_dropped.labels(refused).inc()
+            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            done.set_result(SaveResult(chunks_failed=len(objects), causes={refused: len(objects)}))
+            return done
         self.rate_taken.append(rate_taken)
         self.saved_for.append(trace_id)  # the request id: the connector's trace id
         future: concurrent.futures.Future[Any] | None = None if self.drop else concurrent.futures.Future()
@@ -501,6 +532,136 @@ def test_blocks_past_the_engines_save_rate_are_not_copied_and_a_cut_request_save
         connector.shutdown()
 
 
+def test_a_save_the_client_would_refuse_is_not_copied_and_takes_no_rate(
+    engine_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save the client would refuse in the engine's thread (`save_async_refusal`: its handed
+    saves at `saves_queued_max`, or their bytes with this one's past `save_inflight_bytes_max`)
+    is not copied out of vLLM's cache: every block was copied and then refused, the copying spent
+    exactly when the client was overloaded. Refused whatever its size (`queue_full`), it takes no
+    rate either; refused for the blocks the rate covered (`bytes`, beside a save handed), nothing
+    is copied. Counted as the client counts a refused save, its request cut under that cause; a
+    save whose covered blocks fit is copied and saved."""
+    import numpy as np
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfabric.engines.vllm_connector import KvfabricConnector, KvfabricMetadata, SaveSpec
+
+    connector = KvfabricConnector(engine_config, KVConnectorRole.WORKER, kv_cache_config=None)
+    connector.client.close()
+    layers = [torch.arange(6 * 64, dtype=torch.float32).reshape(6, 64) + 1000 * i for i in range(2)]
+    object_bytes = sum(layer[0].numel() * 4 for layer in layers)
+    client = FakeSaveClient(inflight_bytes=512 << 20, save_memory=False)  # plain copies
+    connector.client = client  # type: ignore[assignment]
+    connector.register_kv_caches({f"layer{i}": kv for i, kv in enumerate(layers)})
+    copies: list[int] = []
+    real = np.concatenate
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        copies.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(np, "concatenate", counted)
+
+    def save(req: str, blocks: list[int]) -> None:
+        meta = KvfabricMetadata(saves=[SaveSpec(req, list(range(BLOCK * len(blocks))), 0, blocks)])
+        connector.bind_connector_metadata(meta)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+
+    bound = client.settings.save_inflight_bytes_max
+    try:
+        client.handed_saves = client.settings.saves_queued_max  # as many handed as it queues
+        save("r1", [1, 2])
+        assert copies == [] and client.saves == [] and client.rate_asks == []
+        assert dropped_saves(client, "queue_full") == 1 and connector._cut_cause("r1") == "queue_full"
+        # One save handed, with room for two more blocks beside it: one block fits, three not.
+        client.handed_saves, client.handed_bytes = 1, bound - 2 * object_bytes
+        save("r2", [1, 2, 3])
+        assert copies == [] and client.saves == []
+        assert client.refusal_asks[-2:] == [(object_bytes, True), (3 * object_bytes, True)]
+        assert dropped_saves(client, "bytes") == 1 and connector._cut_cause("r2") == "bytes"
+        client.rate_admits = 2
+        save("r3", [1, 2, 3, 4])  # the rate covers two blocks: they fit
+        assert client.refusal_asks[-1] == (2 * object_bytes, True)
+        assert len(copies) == 2 and len(client.saves) == 1 and client.saved_for == ["r3"]
+        assert dropped_saves(client, "bytes") == 1
+    finally:
+        client.saves.clear()
+        connector.shutdown()
+
+
+def test_a_save_past_the_clients_bytes_bound_by_itself_saves_the_prefix_that_fits(
+    engine_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client refuses any save past `save_inflight_bytes_max`, alone or not (the loop's
+    `save_admission`; the rate taken, `save_async` itself): a long prefill (8192 tokens of 2 MiB
+    blocks, 1 GiB, against the default 512 MiB) was copied out whole and refused, every time, so
+    long prompts were never saved. Now only the leading blocks that fit are copied and saved (a
+    prefix: each keeps its head), the rest counted `save_failures_total{cause="bytes"}`, and the
+    request is cut under `bytes`: a later step's blocks would follow the gap. A block past the
+    bound by itself is not copied at all (`saves_dropped_total{cause="bytes"}`)."""
+    import numpy as np
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfabric.engines.vllm_connector import KvfabricConnector, KvfabricMetadata, SaveSpec
+
+    connector = KvfabricConnector(engine_config, KVConnectorRole.WORKER, kv_cache_config=None)
+    connector.client.close()
+    layers = [torch.arange(8 * 64, dtype=torch.float32).reshape(8, 64) + 1000 * i for i in range(2)]
+    object_bytes = sum(layer[0].numel() * 4 for layer in layers)
+    client = FakeSaveClient(inflight_bytes=3 * object_bytes + object_bytes // 2, save_memory=False)
+    connector.client = client  # type: ignore[assignment]
+    connector.register_kv_caches({f"layer{i}": kv for i, kv in enumerate(layers)})
+    copies: list[int] = []
+    real = np.concatenate
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        copies.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(np, "concatenate", counted)
+
+    def save(req: str, first: int, blocks: list[int]) -> None:
+        tokens = list(range(BLOCK * (first + len(blocks))))
+        connector.bind_connector_metadata(KvfabricMetadata(saves=[SaveSpec(req, tokens, first, blocks)]))
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+
+    def failed_chunks(cause: str) -> float:
+        value = client.metrics.registry.get_sample_value(
+            "kvfabric_client_save_failures_total", {"cause": cause}
+        )
+        return float(value or 0.0)
+
+    try:
+        save("r1", 0, [1, 2, 3, 4, 5])  # 5 blocks, room for 3 and a half
+        assert client.rate_asks == [[object_bytes] * 3]  # the rate asked for those that fit only
+        assert len(copies) == 3  # no block past them copied
+        ((objects, _),) = client.saves
+        assert [bytes(o[0]) for o in objects] == [
+            b"".join(layer[b].numpy().tobytes() for layer in layers) for b in (1, 2, 3)
+        ]
+        assert client.rate_taken == [True] and client.saved_for == ["r1"]
+        assert failed_chunks("bytes") == 2 and dropped_saves(client, "bytes") == 0
+        assert connector._cut_cause("r1") == "bytes"
+        save("r1", 5, [6])  # its next step: after the gap, not saved
+        assert len(client.saves) == 1 and len(copies) == 3 and dropped_saves(client, "bytes") == 1
+        save("r2", 0, [6, 7, 1])  # a save that fits whole is saved whole, its request not cut
+        assert len(client.saves) == 2 and len(client.saves[1][0]) == 3 and len(copies) == 6
+        assert connector._cut_cause("r2") is None and failed_chunks("bytes") == 2
+        client.settings.save_inflight_bytes_max = object_bytes - 1  # one block is past it
+        save("r3", 0, [1, 2])
+        assert len(client.saves) == 2 and len(copies) == 6 and len(client.rate_asks) == 2
+        assert dropped_saves(client, "bytes") == 2 and connector._cut_cause("r3") == "bytes"
+    finally:
+        client.saves.clear()
+        objects = []
+        connector.shutdown()
+
+
 def test_a_request_whose_save_left_a_chunk_unstored_saves_no_more(engine_config: Any) -> None:
     """A save done with a chunk not stored (the admission filter's `not_admitted`, say: the
     client stops that save at the first one) cuts its request: its next saves (chunked prefill
@@ -513,14 +674,13 @@ def test_a_request_whose_save_left_a_chunk_unstored_saves_no_more(engine_config:
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvfabric.client.hits import SaveResult
     from kvfabric.engines import vllm_connector
     from kvfabric.engines.vllm_connector import KvfabricConnector, KvfabricMetadata, SaveSpec
 
     connector = KvfabricConnector(engine_config, KVConnectorRole.WORKER, kv_cache_config=None)
     connector.client.close()
     layers = [torch.arange(6 * 64, dtype=torch.float32).reshape(6, 64) + 1000 * i for i in range(2)]
-    client = FakeSaveClient(inflight_bytes=0)  # no save memory: plain copies
+    client = FakeSaveClient(inflight_bytes=512 << 20, save_memory=False)  # plain copies
     connector.client = client  # type: ignore[assignment]
     connector.register_kv_caches({f"layer{i}": kv for i, kv in enumerate(layers)})
 
@@ -588,7 +748,7 @@ class FailingLoadClient(FakeSaveClient):
     `good` is None; `loads` counts the calls."""
 
     def __init__(self, good: int | None, cause: str = "checksum") -> None:
-        super().__init__(inflight_bytes=0)
+        super().__init__(inflight_bytes=512 << 20, save_memory=False)
         self.good = good
         self.cause = cause
         self.loads = 0

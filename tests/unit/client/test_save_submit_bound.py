@@ -149,3 +149,62 @@ def test_a_released_buffer_never_raises_in_the_callers_thread() -> None:
     released = memoryview(bytearray(8))
     released.release()
     assert _source_bytes([[released, b"abcd"]]) == 4
+
+
+def test_the_refusal_check_answers_as_save_async_would_and_takes_nothing() -> None:
+    """`save_async_refusal(nbytes)`: the cause `save_async` would drop a save of `nbytes` with in
+    the caller's thread now (`bytes`, `queue_full`; the off cause when the client is off), or
+    None; it takes no room and counts nothing, so an engine asks it before copying KV out."""
+    kv = _enabled(bytes_max=3 * CHUNK_BYTES, queued_max=2)
+    unstall = threading.Event()
+    kv._loop.call_soon_threadsafe(unstall.wait, 30)  # the loop is busy in a call
+    tokens = prompt(TOKENS_PER_CHUNK)
+    try:
+        assert kv.save_async_refusal(10 * CHUNK_BYTES) is None  # one save alone is handed (no rate taken)
+        first = kv.save_async(tokens, objects_for(tokens, 0, 1))
+        assert first is not None and not first.done()
+        assert kv.save_async_refusal(2 * CHUNK_BYTES) is None
+        assert kv.save_async_refusal(3 * CHUNK_BYTES) == "bytes"
+        assert (kv._saves_submitted, kv._bytes_submitted) == (1, CHUNK_BYTES)  # nothing taken
+        assert kv.metrics.saves_dropped.labels("bytes")._value.get() == 0  # nothing counted
+        refused = kv.save_async(prompt(3 * TOKENS_PER_CHUNK), objects_for(prompt(3 * TOKENS_PER_CHUNK), 0, 3))
+        assert refused is not None and refused.result(0).causes == {"bytes": 3}  # as answered
+        second = kv.save_async(tokens, objects_for(tokens, 0, 1))
+        assert second is not None and not second.done()
+        assert kv.save_async_refusal(1) == "queue_full"
+        unstall.set()
+        for future in (first, second):
+            future.exception(10)
+        assert kv.save_async_refusal(3 * CHUNK_BYTES) is None  # the room came back
+    finally:
+        unstall.set()
+        kv.close()
+    assert kv.save_async_refusal(1) == "closed"
+
+
+def test_a_save_alone_past_the_bound_with_its_rate_taken_is_refused_in_the_callers_thread() -> None:
+    """The loop refuses any save past `save_inflight_bytes_max`, alone or not (`save_admission`):
+    one whose rate the caller took (`rate_taken`: the rate keeps all of it) can never start, yet
+    a save alone was always handed, and `save_async_refusal` answered None for it, so the vLLM
+    connector copied a long prefill out whole (1 GiB against 512 MiB) and the loop refused it,
+    every time. Now both answer `bytes` for it in the caller's thread; without the rate taken the
+    loop's rate may still cut it to a prefix that fits, so it is handed as before."""
+    kv = _enabled(bytes_max=3 * CHUNK_BYTES, queued_max=8)
+    unstall = threading.Event()
+    kv._loop.call_soon_threadsafe(unstall.wait, 30)  # the loop is busy in a call: nothing runs there
+    big = prompt(4 * TOKENS_PER_CHUNK)
+    try:
+        assert kv.save_async_refusal(4 * CHUNK_BYTES, rate_taken=True) == "bytes"
+        assert kv.save_async_refusal(3 * CHUNK_BYTES, rate_taken=True) is None  # at the bound: fits
+        assert kv.save_async_refusal(4 * CHUNK_BYTES) is None  # the rate not taken: handed
+        refused = kv.save_async(big, objects_for(big, 0, 4), rate_taken=True)
+        assert refused is not None and refused.done()  # in this thread: the loop is stalled
+        assert refused.result(0).causes == {"bytes": 4} and refused.result(0).chunks_failed == 4
+        assert kv.metrics.saves_dropped.labels("bytes")._value.get() == 1
+        assert (kv._saves_submitted, kv._bytes_submitted) == (0, 0)  # nothing handed
+        fits = kv.save_async(big, objects_for(big, 0, 3), rate_taken=True)
+        assert fits is not None and not fits.done()  # handed to the (stalled) loop
+        assert (kv._saves_submitted, kv._bytes_submitted) == (1, 3 * CHUNK_BYTES)
+    finally:
+        unstall.set()
+        kv.close()

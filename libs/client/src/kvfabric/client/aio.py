@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,7 @@ from kvfabric.client.aio_saves import (
     SAVE_PHASES,
     SAVE_WRITE_STREAM_BYTES_TARGET,
     SaveMixin,
+    aborts_bound_s,
 )
 from kvfabric.client.connect import open_nats
 from kvfabric.client.metrics import ClientMetrics
@@ -80,6 +82,8 @@ __all__ = [
     "directory_cause",
 ]
 
+
+log = logging.getLogger("kvfabric.client")
 
 # How often idle connections to removed arenas are let go without a transfer asking
 # (`AsyncKvClient._sweep_pool`).
@@ -173,7 +177,10 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
         self._no_saves = asyncio.Event()  # set while `_tasks` is empty (`close` waits on it)
         self._no_saves.set()
         self._lookups: set[asyncio.Task[object]] = set()  # lookups in flight
-        self._abandoned: set[asyncio.Task[Any]] = set()  # aborts of cancelled saves
+        self._abandoned: set[asyncio.Task[Any]] = set()  # aborts of cancelled (or cut) saves
+        self._writing: set[asyncio.Future[Any]] = set()  # save write threads running (`_write_all`)
+        self._saves_cut = False  # `close` stopped waiting for running saves (`SaveMixin`)
+        self._directory_shut = False  # `close` is past its wait for aborts: no save request goes
         self._capacity = asyncio.Event()  # set whenever a transfer ends (ReleaseStaging: room again)
         # not dispatched yet: (transfer, where, the starter's buffers, the starter's deadline ms)
         self._starting: list[tuple[TransferId, m.ObjectLocation, ScatterDest, int]] = []
@@ -236,11 +243,40 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._no_saves.wait(), timeout_s)
 
+    async def _aborts_ended(self, timeout_s: float) -> int:
+        """Until the saves `close` gave up on have ended (`_tasks`: cut, each ends soon, its begin
+        and writes answered `closed` and its commit aborted instead, once a write of it still
+        running returns), no save write thread runs (`_writing`, a cancelled save's too) and no
+        commit or abort runs (`_abandoned`, those held while this waits included): at most
+        `timeout_s` for all of it; how many commits and aborts still run then. Only `_abandoned`
+        was waited for (review of the close fix, 2026-12-07): a commit sent before the cut went
+        on under the drain (it reached the directory after `close` returned), and the abort of a
+        cut save whose writes ended after the wait was answered `closed`, unsent."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
+        while (left := until - loop.time()) > 0:
+            saves = asyncio.ensure_future(self._no_saves.wait()) if self._tasks else None
+            running = {*self._writing, *self._abandoned, *((saves,) if saves is not None else ())}
+            if not running:
+                break
+            try:
+                await asyncio.wait(running, timeout=left)
+            finally:
+                if saves is not None:
+                    saves.cancel()
+        return len(self._abandoned)
+
     async def close(self) -> None:
         """Let lookups in flight end, release every lease still held, wait for running saves
         (their queued writes ended `closed` past `save_timeout_ms`, each save waited for up to
-        its phases' deadlines, `SAVE_PHASES` × `save_timeout_ms`), close connections. Each wait
-        bounded."""
+        its phases' deadlines, `SAVE_PHASES` × `save_timeout_ms`), then cut those still running
+        and wait for them, the save write threads and the aborts of cancelled (or cut) saves
+        (`ABORT_PHASES` × `save_timeout_ms` and a grace: `aborts_bound_s`; those aborts still
+        running then are counted, `close_aborts_unfinished`), close connections. Each
+        wait bounded. No save starts once it began (`closed`); a save still running when it was
+        cut performs no begin, write or commit any more, only aborts (its chunks fail `closed`),
+        and no save-path directory request goes once it is past that wait (an abort answered
+        `closed` so is counted too)."""
         if self._closed:
             return
         self._closed = True
@@ -271,8 +307,39 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
                 # caller's save runs in the caller's own task.
                 self._save_executor.shutdown(wait=False, cancel_futures=True)
                 await self._saves_ended((SAVE_PHASES - 1) * self.settings.save_timeout_ms / 1000)
-            if self._abandoned:  # each bounded by its deadline
-                await asyncio.wait(list(self._abandoned), timeout=self.settings.save_timeout_ms / 1000)
+            # A save still running has overrun its deadlines (a write past its cut, a stalled
+            # loop): it went on after `close` returned, committing on the drained connection.
+            # From here it performs no begin, write or commit (answered `closed`), only aborts of
+            # what was placed for it, held in `_abandoned`.
+            self._saves_cut = True
+            if self._tasks:
+                log.warning(
+                    "kvfabric: %d saves still running at close past their phases' deadlines: "
+                    "no begin, write or commit of theirs goes any more (their chunks fail closed)",
+                    len(self._tasks),
+                )
+            # Then, before anything is shut, the saves just cut (ending soon, or once a write of
+            # theirs returns: their aborts go then), the save write threads, and every commit and
+            # abort in flight: a cancelled save's end within `ABORT_PHASES` × `save_timeout_ms`
+            # of its cancel, and the grace of a shared request (`aborts_bound_s`). Close waited
+            # one `save_timeout_ms`, for those held when it began only, then drained NATS under a
+            # cancelled save's abort of what its late begin answer placed (sent a
+            # `save_timeout_ms` after the cancel, its own deadline one more): those placements
+            # were held at the directory until the TTL. And it waited for the write threads only
+            # after the drain: a cut save's abort, sent once its writes returned, was answered
+            # `closed` unsent (review of the close fix, 2026-12-07).
+            unfinished = await self._aborts_ended(aborts_bound_s(self.settings.save_timeout_ms))
+            self._directory_shut = True  # nothing more is sent (an abort then counted): NATS drains
+            if unfinished or self._tasks or self._writing:
+                self.metrics.close_aborts_unfinished.inc(unfinished)
+                log.warning(
+                    "kvfabric: %d aborts of cancelled saves unanswered at close, %d saves and %d "
+                    "save writes still running (an abort of theirs is not sent now, counted): "
+                    "what they end stays reserved at the directory until its write TTL",
+                    unfinished,
+                    len(self._tasks),
+                    len(self._writing),
+                )
             if self.suspects is not None:
                 await self.suspects.close(REPORT_TIMEOUT_S)
             if self.nc is not None:
@@ -286,6 +353,10 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
             # A close cancelled past its bound (`KvClient.close`) still lets go of the threads,
             # connections and save memory (review, 2026-12-06: they leaked, and a second close
             # returned at once). Without waiting: a running transfer ends by its own deadline.
+            # And no save still running (or cancelled by `KvClient.close`'s settling) writes
+            # after it: no begin, write, commit or directory request of theirs goes.
+            self._saves_cut = True
+            self._directory_shut = True
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._save_executor.shutdown(wait=False, cancel_futures=True)
             self.pool.close()

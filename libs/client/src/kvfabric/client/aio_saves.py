@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
@@ -43,9 +43,10 @@ from kvfabric.client.save_table_events import (
     WritesDone,
 )
 from kvfabric.client.saves import SavePlan, plan_save, write_streams
-from kvfabric.client.shared_calls import SharedCalls
+from kvfabric.client.shared_calls import SENT_ANSWER_GRACE_S, SharedCalls
 from kvfabric.format.clock import monotonic_ms
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable
+from kvfabric.format.ids import ObjectKey
 from kvfabric.format.invariant import invariant, unreachable
 from kvfabric.format.key import ChunkExtras, ChunkGroupId, MemberId, TokenIds
 from kvfabric.proto import directory as m
@@ -66,6 +67,14 @@ SAVE_WRITE_STREAM_BYTES_TARGET: Final = 2 << 20
 # A save's phases with a `save_timeout_ms` deadline each (put_begin, writes, put_commit/abort):
 # one started ends within this many `save_timeout_ms` (what `AsyncKvClient.close` waits for it).
 SAVE_PHASES: Final = 3
+# A cancelled save's aborts end within this many `save_timeout_ms` of its cancel, and
+# `SENT_ANSWER_GRACE_S` (`aborts_bound_s`): a put_begin out then is answered by its deadline, one,
+# and the aborts of what it placed have one more, their own (`_abort_abandoned`); a shared abort or
+# commit request is waited for up to its deadline and the grace (`SharedCalls`).
+ABORT_PHASES: Final = 2
+# Why the chunks of a save still running when `AsyncKvClient.close` stopped waiting for it failed
+# (its begin, writes or commit not performed), and why a save asked of a closing client is dropped.
+CLOSED: Final = "closed"
 # The cause of chunks skipped by the engine's save rate (`ClientSettings.save_bytes_per_s_max`).
 SAVE_RATE: Final = "save_rate"
 QUEUE_FULL: Final = "queue_full"  # `saves_queued_max` saves were in flight (or handed to the loop)
@@ -74,6 +83,13 @@ QUEUE_FULL: Final = "queue_full"  # `saves_queued_max` saves were in flight (or 
 SAVE_BYTES: Final = "bytes"
 
 log = logging.getLogger("kvfabric.client")
+
+
+def aborts_bound_s(save_timeout_ms: int) -> float:
+    """How long after its cancel a cancelled save's aborts may still run (`ABORT_PHASES`): what
+    `AsyncKvClient.close` waits for them (and, in the same wait, for the saves it cut, each
+    ending with its aborts once a write of it still running returns, and the write threads)."""
+    return ABORT_PHASES * save_timeout_ms / 1000 + SENT_ANSWER_GRACE_S
 
 
 class SaveMixin(ClientBase):
@@ -92,6 +108,13 @@ class SaveMixin(ClientBase):
     _tasks: set[asyncio.Task[Any]]  # running saves
     _no_saves: asyncio.Event  # set while `_tasks` is empty
     _abandoned: set[asyncio.Task[Any]]  # commits and aborts of cancelled saves, until answered
+    _writing: set[asyncio.Future[Any]]  # save write threads running (`close` waits for them)
+    # `close` stopped waiting for running saves: no begin, write or commit of theirs is performed
+    # any more (answered `closed`), their aborts are held in `_abandoned` (`close` waits for them)
+    _saves_cut: bool
+    # `close` is past its wait for aborts: no save-path directory request goes (`closed`; a
+    # put_abort so is counted, `close_aborts_unfinished`)
+    _directory_shut: bool
 
     def take_save_rate(self, chunk_sizes: Sequence[int]) -> int:
         """Take the engine's save rate for the leading chunks of these sizes it covers now and
@@ -103,7 +126,7 @@ class SaveMixin(ClientBase):
     def save_admission(self, size_bytes: int) -> str | None:
         """Why a save of `size_bytes` would be dropped now, or None when it may start."""
         if self._closed:
-            return "closed"
+            return CLOSED
         if self._saves_running >= self.settings.saves_queued_max:
             return QUEUE_FULL
         if self._save_bytes + size_bytes > self.settings.save_inflight_bytes_max:
@@ -268,8 +291,10 @@ class SaveMixin(ClientBase):
             return
 
         async def late(request: int, answer: asyncio.Future[tuple[object, str]]) -> None:
-            # The answer and its aborts within one `save_timeout_ms` (what `close` waits for the
-            # abandoned requests: review, 2026-12-06); past it, the placements expire there.
+            # The answer within one `save_timeout_ms` (past it, its placements expire there);
+            # an abort still under way then goes on, held (`_unwithdrawn`), to its own deadline:
+            # `ABORT_PHASES` × `save_timeout_ms` from the cancel in all, what `close` waits for
+            # (it waited one, and NATS drained under such an abort: placements held to the TTL).
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.settings.save_timeout_ms / 1000):
                     reply, trace = await asyncio.shield(answer)
@@ -285,8 +310,9 @@ class SaveMixin(ClientBase):
         self._hold(loop.create_task(send()))
 
     def _hold(self, task: asyncio.Task[Any]) -> None:
-        """Keep a cancelled save's directory requests in `_abandoned` until answered (`close`
-        waits for them, with a bound; each is bounded by its deadline)."""
+        """Keep a cancelled save's directory requests (or a cut one's) in `_abandoned` until
+        answered (`close` waits for them, with a bound, and counts those still running then;
+        each is bounded by its deadline)."""
         self._abandoned.add(task)
         task.add_done_callback(self._abandoned.discard)
 
@@ -295,17 +321,36 @@ class SaveMixin(ClientBase):
         effect): it goes even if its save is cancelled meanwhile. Cancelled while queued in
         `SharedCalls` it was withdrawn, never sent, yet `abandon` counts its keys ended (they
         stayed reserved until the write TTL). Bounded by its deadline; held in `_abandoned` once
-        the save is cancelled (`_unwithdrawn`)."""
+        the save is cancelled (`_unwithdrawn`), or at once once `close` stopped waiting for the
+        running saves (`_saves_cut`; `close` counts it if still running at its bound): a commit
+        then is not sent, its keys are aborted instead (answered `closed`: nothing is published
+        after `close` gave up on the save)."""
+        call: Coroutine[Any, Any, tuple[object, str]]
         if isinstance(effect, SendCommit):
             keys = [key for key, _ in effect.items]
-            call = self._commits.call(effect.shard, effect.items, keys, trace_id, effect.deadline_ms / 1000)
+            deadline_s = effect.deadline_ms / 1000
+            if self._saves_cut:
+                call = self._aborted_instead(effect.shard, keys, trace_id, deadline_s)
+            else:
+                call = self._commits.call(effect.shard, effect.items, keys, trace_id, deadline_s)
         elif isinstance(effect, SendAbort):
             call = self._aborts.call(
                 effect.shard, effect.keys, effect.keys, trace_id, effect.deadline_ms / 1000
             )
         else:
             return None
-        return asyncio.ensure_future(call)
+        task = asyncio.ensure_future(call)
+        if self._saves_cut:
+            self._hold(task)
+        return task
+
+    async def _aborted_instead(
+        self, shard: int, keys: list[ObjectKey], trace_id: str, deadline_s: float
+    ) -> tuple[object, str]:
+        """A commit of a save that `close` stopped waiting for: its keys aborted, not published;
+        answered `closed` (the commit's cause)."""
+        await self._aborts.call(shard, keys, keys, trace_id, deadline_s)
+        return CLOSED, trace_id
 
     async def _unwithdrawn(self, task: asyncio.Task[tuple[object, str]]) -> tuple[object, str]:
         """An `_end_call`'s answer; cancelled, the call goes on, held in `_abandoned`."""
@@ -325,7 +370,14 @@ class SaveMixin(ClientBase):
     ) -> SaveEvent:
         """One effect of the save's table, answered with its event (never raises for the cluster).
         A begin cancelled after its request went leaves its answer to come in `went`. `call`: a
-        commit's or abort's request started already (`_end_call`)."""
+        commit's or abort's request started already (`_end_call`). Once `close` stopped waiting
+        for the running saves (`_saves_cut`), a begin or the writes are not performed: answered
+        `closed` (a save that overran its deadlines, or whose loop was stalled, wrote after
+        `close` returned)."""
+        if self._saves_cut and isinstance(effect, SendBegin):
+            return BeginAnswered(effect.request, CLOSED, trace_id)  # nothing placed for it
+        if self._saves_cut and isinstance(effect, WriteReplicas):
+            return WritesDone(((CLOSED, None),) * len(effect.writes))  # its keys aborted
         if isinstance(effect, PrepareBegins):
             # No checksum at put_begin: each segment hashes what it stored and the first replica's
             # hash becomes the object's (`ObjectSpec.checksum`); sent bytes carry the writer's
@@ -415,8 +467,14 @@ class SaveMixin(ClientBase):
                 cancelled = concurrent.futures.Future()
                 cancelled.cancel()  # answered `closed` below, as a queued write cancelled then is
                 running.append(cancelled)
+        # Each thread's future on the loop is in `_writing` until it ends: `close` waits for them
+        # before it shuts the directory (a cut save's aborts go once its writes returned).
+        on_loop = [asyncio.wrap_future(f) for f in running]
+        for waited in on_loop:
+            self._writing.add(waited)
+            waited.add_done_callback(self._writing.discard)
         try:
-            await asyncio.wait([asyncio.wrap_future(f) for f in running])
+            await asyncio.wait(on_loop)
         except BaseException:
             for f in running:
                 f.cancel()  # those not started yet never will
@@ -457,9 +515,13 @@ class SaveMixin(ClientBase):
     ) -> object:
         """A directory call for saves: the reply, or a cause string (never raises). At most
         `SAVE_DIRECTORY_CALLS_MAX` in flight per client; `busy` backs off and asks again, until
-        `deadline_s` (monotonic; by default `save_timeout_ms` from now)."""
-        if self.nc is None:
-            return "closed"
+        `deadline_s` (monotonic; by default `save_timeout_ms` from now). Once `close` is past its
+        wait for aborts (`_directory_shut`): `closed` at once, never sent (a put_abort so is
+        counted in `close_aborts_unfinished`: its keys stay reserved until the write TTL)."""
+        if self.nc is None or self._directory_shut:
+            if self._directory_shut and verb == "put_abort":
+                self.metrics.close_aborts_unfinished.inc()
+            return CLOSED
         if self._save_gate is None:
             self._save_gate = asyncio.Semaphore(SAVE_DIRECTORY_CALLS_MAX)
         gate = self._save_gate

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvfabric.cluster.metrics_http import MetricsServer
@@ -15,6 +17,11 @@ _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25
 class ClientMetrics:
     def __init__(self) -> None:
         self._server: MetricsServer | None = None  # `serve`'s HTTP server, until `stop`
+        # Held across all of `serve` and all of `stop`: clients in several threads share one
+        # metrics object (SGLang's re-key: the old client's late start and the new one's start),
+        # and both bound the fixed port (EADDRINUSE: the new client disabled, `config_error`), or
+        # with port 0 one server leaked; `stop` cleared `_server` before the port was let go.
+        self._serve_lock = threading.Lock()
         self.registry = CollectorRegistry()
         r = self.registry
         self.lookups = Counter("kvfabric_client_lookups", "Lookups asked", registry=r)
@@ -80,6 +87,13 @@ class ClientMetrics:
         self.saves_dropped = Counter(
             "kvfabric_client_saves_dropped", "Saves refused before starting, by cause", ["cause"], registry=r
         )
+        self.close_aborts_unfinished = Counter(
+            "kvfabric_client_close_aborts_unfinished",
+            "Aborts (and commits) of cancelled or cut saves still unanswered when close stopped"
+            " waiting for them, and aborts answered closed unsent after that: what they end stays"
+            " reserved at the directory until its write TTL",
+            registry=r,
+        )
         self.leases_held = Gauge("kvfabric_client_leases_held", "Read leases held", registry=r)
         self.inflight_bytes = Gauge(
             "kvfabric_client_save_inflight_bytes", "Bytes of saves not finished", registry=r
@@ -89,18 +103,22 @@ class ClientMetrics:
         """Serve `/metrics` on `host`:`port` (0: any port) until `stop`; the port served. The
         services' bounded server (`kvfabric.cluster.metrics_http`): prometheus-client's
         `start_http_server` bound every address, with no timeout and a thread per connection
-        without bound, inside the engine's process (review, stop 68)."""
-        if self._server is not None:  # served already (a start that failed, then `_disable`):
-            return self._server.port  # a second server leaked the first, or read its port as taken
-        server = MetricsServer(self.registry, host=host, port=port)
-        port = server.start()
-        self._server = server
-        return port
+        without bound, inside the engine's process (review, stop 68). Idempotent, from any
+        thread: served already, the port served (one server, however many threads ask at once)."""
+        with self._serve_lock:
+            if self._server is not None:  # served already (a start that failed, then `_disable`):
+                return self._server.port  # a second server leaked the first, or read its port as taken
+            server = MetricsServer(self.registry, host=host, port=port)
+            port = server.start()
+            self._server = server
+            return port
 
     def stop(self) -> None:
         """Stop serving and let the port go (a client made again in the same process with the
         same fixed `metrics_port` could not start: the closed one's server still held it;
-        review, 2026-12-06)."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.stop()
+        review, 2026-12-06). A `serve` meanwhile, from another thread, waits until the port is
+        let go (it bound a port still held: EADDRINUSE). Blocks up to one poll interval."""
+        with self._serve_lock:
+            server, self._server = self._server, None
+            if server is not None:
+                server.stop()

@@ -7,7 +7,8 @@ nothing and hands the save to the loop (the caller gives up its buffers), where 
 or dropped (its result says why). Its admission is taken first, in the caller's thread: with
 `saves_queued_max` saves handed and not ended, or their sources' bytes past
 `save_inflight_bytes_max` with this one, it drops the save at once (`queue_full`, `bytes`; one
-save alone is always handed), so a loop that lags never holds more (`handed_refusal`). Around
+save alone is handed, unless its rate was taken and it is past the bound by itself: the loop
+would refuse it), so a loop that lags never holds more (`handed_refusal`). Around
 `close`, `lookup` and `load` end in a miss ("closed"),
 never an exception in the engine's thread; a `lookup_async` or `save_async` future that `close`
 cancels reads cancelled (engines treat it as a miss / a dropped save).
@@ -37,7 +38,7 @@ from typing import Any, Final, TypeVar
 import msgspec.structs
 
 from kvfabric.client.aio import AsyncKvClient, Destination, EngineSpec, Source
-from kvfabric.client.aio_saves import QUEUE_FULL, SAVE_BYTES, SAVE_PHASES
+from kvfabric.client.aio_saves import QUEUE_FULL, SAVE_BYTES, SAVE_PHASES, aborts_bound_s
 from kvfabric.client.hits import Hit, LoadResult, SaveResult
 from kvfabric.client.metrics import ClientMetrics
 from kvfabric.client.save_memory import SaveMemory
@@ -112,18 +113,25 @@ def start_cause(exc: BaseException) -> str:
     return CLIENT_ERROR
 
 
-def handed_refusal(saves: int, nbytes: int, size_bytes: int, settings: ClientSettings) -> str | None:
+def handed_refusal(
+    saves: int, nbytes: int, size_bytes: int, settings: ClientSettings, *, rate_taken: bool = False
+) -> str | None:
     """Why `save_async` drops a save of `size_bytes` source bytes in the caller's thread, with
     `saves` saves of `nbytes` handed to the loop and not ended there, or None to hand it (pure).
     The loop's own admission (`SaveMixin.save_admission`) bounds the saves *running*; this bounds
     what a loop that lags (stalled, busy, saves slow) has queued and not started, each save
     holding its sources: an engine thread calling on went on queueing them without bound.
     Sources are counted whole (the loop's save rate may keep a prefix of them, but they stay
-    referenced until the save ends). One save alone is always handed: its bytes are the caller's
-    already, and the loop decides it as before (past the bytes bound unless the rate cuts it)."""
+    referenced until the save ends). One save alone is handed: its bytes are the caller's
+    already, and the loop decides it as before (past the bytes bound unless the rate cuts it) —
+    but not one past `save_inflight_bytes_max` whose rate the caller took (`rate_taken`): the
+    rate keeps all of it, and the loop refuses any save past the bound (`save_admission`), alone
+    or not, so it is refused here (`bytes`), before it is queued."""
     if saves >= settings.saves_queued_max:
         return QUEUE_FULL
     if saves and nbytes + size_bytes > settings.save_inflight_bytes_max:
+        return SAVE_BYTES
+    if rate_taken and size_bytes > settings.save_inflight_bytes_max:
         return SAVE_BYTES
     return None
 
@@ -462,15 +470,18 @@ class KvClient:
         client's limits is dropped, here or on the loop: its result's causes say so, and
         `saves_dropped` counts it). Here, in the caller's thread and before anything is queued:
         with `saves_queued_max` saves handed and not ended, or their sources' bytes with this
-        one's past `save_inflight_bytes_max`, the future is done at once (`queue_full`, `bytes`:
-        `handed_refusal`), and the caller has its buffers back on return.
+        one's past `save_inflight_bytes_max` (or, `rate_taken`, this one's alone), the future
+        is done at once (`queue_full`, `bytes`: `handed_refusal`), and the caller has its
+        buffers back on return.
         `rate_taken`: the caller took the save rate for these chunks (`take_save_rate`)."""
         size = _source_bytes(objects)
         with self._submit_lock:
             if not self.enabled:
                 self.metrics.saves_dropped.labels(self.off_cause()).inc()
                 return None
-            refused = handed_refusal(self._saves_submitted, self._bytes_submitted, size, self.settings)
+            refused = handed_refusal(
+                self._saves_submitted, self._bytes_submitted, size, self.settings, rate_taken=rate_taken
+            )
             if refused is not None:
                 self.metrics.saves_dropped.labels(refused).inc()
                 dropped: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
@@ -503,6 +514,21 @@ class KvClient:
                 "a handed save given back twice",
                 saves=self._saves_submitted,
                 nbytes=self._bytes_submitted,
+            )
+
+    def save_async_refusal(self, nbytes: int, *, rate_taken: bool = False) -> str | None:
+        """Why `save_async(..., rate_taken=rate_taken)` would refuse, in the caller's thread, a
+        save of `nbytes` source bytes if called now (the client off: `off_cause()`; else
+        `handed_refusal`: `queue_full`, `bytes` — with `rate_taken`, also for a save alone past
+        `save_inflight_bytes_max`, which the loop would refuse), or None. Takes and counts
+        nothing, and binds nothing: saves ending or handed meanwhile change the answer, and
+        `save_async` decides again (it, or the loop, may still refuse). Ask before copying KV out
+        for a save, so a save it would refuse is not copied at all."""
+        with self._submit_lock:
+            if not self.enabled:
+                return self.off_cause()
+            return handed_refusal(
+                self._saves_submitted, self._bytes_submitted, nbytes, self.settings, rate_taken=rate_taken
             )
 
     def take_save_rate(self, chunk_sizes: Sequence[int]) -> int:
@@ -543,7 +569,9 @@ class KvClient:
         return self.aio._fallback(Hit(0, self.aio.spec.layout.tokens_per_chunk, (), ()), self.off_cause())
 
     def close(self) -> None:
-        """Give back what the client holds and stop its loop; bounded, never raises. A second
+        """Give back what the client holds and stop its loop; bounded, never raises. No save is
+        handed from its start on (`save_async` None, `save` `closed`); a save still running
+        past its deadlines writes nothing more (`AsyncKvClient.close`). A second
         close, from any thread, waits for the first to end (two threads closing at once both ran
         the steps, and one's settling cancelled the other's close: CancelledError in its thread;
         review, stop 68)."""
@@ -568,10 +596,11 @@ class KvClient:
             # Its own steps are bounded (leases given back, saves and their aborts waited for,
             # the NATS drain): what they may take in all. Past it the close goes on here without
             # raising into the engine's shutdown (it raised TimeoutError; review, 2026-12-05).
-            # Saves: `SAVE_PHASES` × `save_timeout_ms` (`AsyncKvClient.close`), then one more for
-            # the aborts of cancelled ones.
+            # Saves: `SAVE_PHASES` × `save_timeout_ms` (`AsyncKvClient.close`), then the aborts
+            # of cancelled ones, `ABORT_PHASES` × `save_timeout_ms` and a grace (`aborts_bound_s`;
+            # one `save_timeout_ms` before, short of a late begin answer's aborts).
             s = self.settings
-            saves_s = (SAVE_PHASES + 1) * s.save_timeout_ms / 1000
+            saves_s = SAVE_PHASES * s.save_timeout_ms / 1000 + aborts_bound_s(s.save_timeout_ms)
             bound_s = saves_s + 3 * s.lookup_timeout_ms / 1000 + _CLOSE_STEPS_S
             self._call(self.aio.close(), bound_s)
         except concurrent.futures.TimeoutError:

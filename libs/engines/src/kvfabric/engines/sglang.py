@@ -49,7 +49,9 @@ can also come from `KVF_CLIENT_*`. SGLang's own keys (`backend_name`, `module_pa
   for, a new client keys every page with `+version:<version>` in the weights revision
   (`sglang_keys.versioned_spec`), the held hits are given back and the old client is closed in a
   thread of its own (the call returns at once: SGLang's flush right after fails the update if a
-  storage thread is still busy 10 s later; `close()` waits for it): pages of the old weights are
+  storage thread is still busy 10 s later; `close()` waits for it; the new client serves the old
+  one's metrics, again once that close ends if the old one's start served them after the swap,
+  `_serve_metrics_for_newest`): pages of the old weights are
   no longer found, those of the new are (and shared by every worker at that version). A re-key
   that fails leaves the client disabled, saying why. An update that names no version changes
   nothing here: not seen (docs/sglang.md).
@@ -282,6 +284,9 @@ class KvfabricStorage(HiCacheStorage):
         # for the new version's keys, under `_rekey_lock` (one thread; the others miss meanwhile).
         self.weight_version: str | None = None
         self.rekeys = 0  # times the keys followed a new weight version
+        # Alone guards `_closed` and every swap of `client` after set-up: held by a re-key, by
+        # `_run_close`'s serve for the newest client and by `close`; never by the batch calls
+        # (`_lock` is theirs: nothing slow is done under it).
         self._rekey_lock = threading.Lock()
         self._closed = False
         self._replaced: set[KvClient] = set()  # clients a re-key replaced, still closing (`_lock`)
@@ -394,7 +399,7 @@ class KvfabricStorage(HiCacheStorage):
         of its own (`_close_replaced`: its running calls end as misses, the directory gets every
         lease it held back). Returns promptly: SGLang records the version and then flushes its
         cache, which joins this (storage) thread for 10 s and fails the weight update if it is
-        still alive, and a close may take its saves' deadlines and more (~141 s by default;
+        still alive, and a close may take its saves' deadlines and more (~172 s by default;
         review, 2026-12-07: it was closed here). False: another thread is at it (this call
         misses). A version that cannot be keyed, or a client that cannot be made, leaves the
         cache off (a disabled client saying why), never on the old keys and never without a
@@ -414,7 +419,7 @@ class KvfabricStorage(HiCacheStorage):
                 closing = len(self._replaced)
             if closing >= REPLACED_CLOSING_MAX:
                 # Each replaced client lives (loop thread, executors, NATS connection) until its
-                # close ends, up to ~141 s: updates every few seconds kept dozens (review of the
+                # close ends, up to ~172 s: updates every few seconds kept dozens (review of the
                 # change). This call misses; a later one re-keys once a close has ended.
                 return False
             with self._lock:  # from here no call takes the old client, no hit joins the table
@@ -464,25 +469,58 @@ class KvfabricStorage(HiCacheStorage):
         """Close `old`, replaced by a re-key, in a daemon thread of its own (its close gives
         back its leases and waits, bounded, for its saves in flight); `close` waits for those
         still closing. `hand_metrics`: the new client serves `old`'s metrics now, so `old`'s close
-        leaves the server up (it would stop the server the new client took over)."""
+        leaves the server up (it would stop the server the new client took over). A start of
+        `old`'s that reaches `metrics.serve` after this takes the server back, and its close
+        stops it: once that close has ended the newest client serves them again
+        (`_serve_metrics_for_newest`; the server was left stopped, the newest client's with it)."""
         if hand_metrics:
             old.aio.serves_metrics = False
         with self._lock:
             self._replaced.add(old)
         closer = threading.Thread(
-            target=self._run_close, args=(old,), name="kvf-sglang-rekey-close", daemon=True
+            target=functools.partial(self._run_close, old, hand_metrics=hand_metrics),
+            name="kvf-sglang-rekey-close",
+            daemon=True,
         )
         try:
             closer.start()
         except RuntimeError as exc:  # no thread to be had: `close` closes it
             log.error("kvfabric: the replaced client is closed at shutdown (%s)", exc)
 
-    def _run_close(self, old: KvClient) -> None:
+    def _run_close(self, old: KvClient, *, hand_metrics: bool) -> None:
         try:
             old.close()  # bounded, never raises
         finally:
             with self._lock:
                 self._replaced.discard(old)
+            if hand_metrics and old.aio.serves_metrics:
+                # Its background start had not reached `metrics.serve` at the hand-over, and
+                # did afterwards (or, failing, served them in `_disable`): it took the server
+                # back and its close has just stopped it, the newest client's with it. Served
+                # again for the newest, now that `old` can touch it no more (its loop stopped).
+                # Under `_rekey_lock`, so `client` is never a re-key's passing None here. Not
+                # `_lock`: the batch calls, `clear` and `get_stats` wait on it, and serving binds
+                # a socket and starts a thread.
+                with self._rekey_lock:
+                    self._serve_metrics_for_newest(old)
+
+    def _serve_metrics_for_newest(self, old: KvClient) -> None:
+        """(Under `_rekey_lock`, which alone guards `_closed` and every swap of `client`.) Serve
+        `old`'s metrics for the newest client, if it shares them and the backend is not closed
+        (its close stops them), and make it the one whose close stops them. Never for a
+        superseded client: a re-key since `old` made a newer one `self.client`, and its
+        replaced clients' ends serve for that one."""
+        client, settings = self.client, self._settings
+        if self._closed or client is None or client.metrics is not old.metrics or settings is None:
+            return
+        if settings.metrics_port < 0:
+            return
+        try:
+            client.metrics.serve(settings.metrics_port, settings.metrics_host)
+        except OSError as exc:
+            log.error("kvfabric: metrics no longer served: port %d: %s", settings.metrics_port, exc)
+            return
+        client.aio.serves_metrics = True  # stopped by its close
 
     # ---- exists ------------------------------------------------------------------------------
 
@@ -810,7 +848,9 @@ class KvfabricStorage(HiCacheStorage):
         """Give back what is held and close the client, and wait for the clients re-keys
         replaced to end their closes (each bounded: a second `KvClient.close` waits for the
         first), so none is left running past the backend."""
-        with self._rekey_lock:  # a re-key running ends first (it returns promptly); none after
+        # a re-key running ends first (it returns promptly); none after. And no replaced
+        # client's end serves the metrics again (`_serve_metrics_for_newest`, under this lock)
+        with self._rekey_lock:
             self._closed = True
         self.clear()
         if self.client is not None:

@@ -46,7 +46,14 @@ group of full attention layers (sliding window, hybrid) runs the client disabled
   `vllm_block_mismatch` and logged. `wait_for_save` copies the new full blocks out of the
   cache (so vLLM may free them at once) and saves asynchronously; not a save whose chunks
   attended over a block reported as a load error (another request's, shared through vLLM's
-  prefix cache, included), and never raising into vLLM's step (a save that raises is dropped).
+  prefix cache, included), nor one the client would refuse at once (its bounds on saves handed
+  and their bytes, `KvClient.save_async_refusal`: dropped before any block is copied; advisory,
+  so a save refused once its rate was taken, by the check after the take or by the client
+  deciding again, has spent that rate), and never raising into vLLM's step (a save that raises
+  is dropped). Of one save, only the leading blocks that fit in `save_inflight_bytes_max` are
+  copied and saved (the client refuses any save past it, alone or not: a long prefill was
+  copied whole and refused every time); the rest are counted `bytes` and the request is cut, as
+  by a partial save: it saves nothing more.
 - **Failed loads recompute under vLLM's default settings.** vLLM recomputes reported blocks only
   under `kv_load_failure_policy="recompute"`; its default, "fail", fails the request. The
   scheduler-side connector sets the policy to "recompute" when it is built (vLLM 0.32 builds it
@@ -89,7 +96,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvfabric.client import ClientSettings, EngineSpec, Hit, KvClient, settings_from_env
-from kvfabric.client.aio_saves import SAVE_RATE
+from kvfabric.client.aio_saves import SAVE_BYTES, SAVE_RATE
 from kvfabric.client.hits import SaveResult
 from kvfabric.client.save_memory import SaveSlots, client_save_slots
 from kvfabric.engines.identity import attn_config_digest, longrope_long_factors, weights_digest_of_dir
@@ -1009,6 +1016,27 @@ class KvfabricConnector(KVConnectorBase_V1):
             self.client.metrics.saves_dropped.labels(self.client.off_cause()).inc()
             self._cut_request(save.req_id, CAUSE_DROPPED)
             return
+        # A save the client would refuse at once (`save_async_refusal`: as many saves handed
+        # and not ended as it queues, or their bytes with this one's past its bound, or this
+        # one's alone: the rate taken, the loop refuses any save past the bound) is not copied:
+        # it was copied out whole and then refused, the copying spent exactly when the client
+        # is overloaded. Asked first for one block (no save of it could be handed: the rate is
+        # not taken for it), then for the blocks the rate covers. Advisory: `save_async` (or
+        # the loop) decides again, and a save refused there is dropped as before.
+        if self._refused(save.req_id, object_bytes):
+            return
+        # One save's blocks past `save_inflight_bytes_max` by themselves: the loop refuses any
+        # such save (`save_admission`), so a long prefill (8192 tokens of 2 MiB blocks: 1 GiB,
+        # the bound 512 MiB) was refused every time and its prompt never saved. Its leading
+        # blocks that fit are saved (a prefix: each keeps its head), the rest are not copied,
+        # counted `bytes`, and the request is cut under `bytes`, as a save that left a chunk
+        # unstored cuts it: its later steps' blocks would follow a gap. (At least one fits:
+        # one block past the bound was refused just above.)
+        fits = max(1, self.client.settings.save_inflight_bytes_max // object_bytes)
+        if len(block_ids) > fits:
+            self._cut_request(save.req_id, SAVE_BYTES)
+            self.client.metrics.save_failures.labels(SAVE_BYTES).inc(len(block_ids) - fits)
+            block_ids = block_ids[:fits]
         admitted = self.client.take_save_rate([object_bytes] * len(block_ids))
         if admitted < len(block_ids):
             self._cut_request(save.req_id, SAVE_RATE)
@@ -1017,6 +1045,8 @@ class KvfabricConnector(KVConnectorBase_V1):
                 return
             self.client.metrics.save_failures.labels(SAVE_RATE).inc(len(block_ids) - admitted)
             block_ids = block_ids[:admitted]
+        if len(block_ids) > 1 and self._refused(save.req_id, object_bytes * len(block_ids)):
+            return  # (the rate taken for them spent: the refusal is advisory, after the take)
         # Copies: the client owns them, vLLM may reuse the blocks as soon as we return. Into
         # save memory while it has a free slot (given back when the save is done), else
         # into memory of their own.
@@ -1048,6 +1078,18 @@ class KvfabricConnector(KVConnectorBase_V1):
             self._cut_request(save.req_id, CAUSE_DROPPED)
         else:
             future.add_done_callback(functools.partial(self._save_done, save.req_id))
+
+    def _refused(self, req_id: str, nbytes: int) -> bool:
+        """True when the client would refuse a save of `nbytes` of `req_id` now, handed with the
+        rate taken as every save here is: counted as the client counts a refused save
+        (`saves_dropped_total{cause}`) and the request cut under that cause, as a save it
+        refused cuts it (`_save_done`)."""
+        cause = self.client.save_async_refusal(nbytes, rate_taken=True)
+        if cause is None:
+            return False
+        self.client.metrics.saves_dropped.labels(cause).inc()
+        self._cut_request(req_id, cause)
+        return True
 
     def _save_failed(self, req_id: str, exc: Exception) -> None:
         """A save that raised (a bug, a cache numpy cannot view, save memory closed under it):
@@ -1113,7 +1155,7 @@ class KvfabricConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         """vLLM calls this when the engine stops: saves still running finish (each bounded by its
         phases' deadlines, `save_timeout_ms` each; the whole close by `KvClient.close`'s bound,
-        4 x `save_timeout_ms` + 3 x `lookup_timeout_ms` + 15 s), leases are released, then the
-        connections close."""
+        5 x `save_timeout_ms` + 1 s + 3 x `lookup_timeout_ms` + 15 s, ~172 s by default), leases
+        are released, then the connections close."""
         self.client.close()  # and its save memory, once no save views it
         log.info("kvfabric: connector closed (%s side)", self.role.name.lower())
