@@ -9,6 +9,18 @@ from pathlib import Path
 import pytest
 
 from kvfabric.core.directory.records import MemberRecord, PublishedGroup, ReplicaRecord, pack_group
+from kvfabric.format.checksum import CHECKSUM_ALGO, SUPPORTED_CHECKSUM_ALGOS
+from kvfabric.format.key import (
+    CHAIN_HASH_BYTES,
+    DOMAIN_DIGEST_BYTES,
+    LAYOUT_DIGEST_BYTES,
+    MODEL_DIGEST_BYTES,
+    ChainHash,
+    DomainDigest,
+    LayoutDigest,
+    ModelDigest,
+)
+from kvfabric.format.manifest import ChunkEntry, Manifest, ObjectEntry, encode_manifest
 from kvfabric.plan import formulas as f
 from kvfabric.plan.model import PRESETS, Cluster, Layout, ModelSpec, Workload, model_from_config
 from kvfabric.plan.plan import build_plan
@@ -73,6 +85,88 @@ def test_manifest_bytes_are_real_encodings() -> None:
     assert two - one == three - two > 2 * (16 + 8)  # per chunk: hash + two object entries
     assert 32 < one < 400
     assert f.manifest_bytes(0, 1, 1, 1, 1) > 0
+
+
+def _built_manifest_bytes(chunks: int, tp: int, pp: int, layer_groups: int, object_bytes: int) -> int:
+    """Reference: the whole manifest built and encoded (what `manifest_bytes` did before)."""
+    checksum = b"\x00" * SUPPORTED_CHECKSUM_ALGOS[CHECKSUM_ALGO]
+    objects = tuple(
+        ObjectEntry(tp_rank=r, pp_stage=s, layer_group=g, size_bytes=max(1, object_bytes), checksum=checksum)
+        for r in range(tp)
+        for s in range(pp)
+        for g in range(layer_groups)
+    )
+    chain_hash = ChainHash(b"\xff" * CHAIN_HASH_BYTES)
+    manifest = Manifest(
+        format_version=1,
+        domain_digest=DomainDigest(b"\x00" * DOMAIN_DIGEST_BYTES),
+        model_digest=ModelDigest(b"\x00" * MODEL_DIGEST_BYTES),
+        tp_size=tp,
+        pp_size=pp,
+        layer_group_count=layer_groups,
+        tokens_per_chunk=1,
+        layout_digest=LayoutDigest(b"\x00" * LAYOUT_DIGEST_BYTES),
+        chunks=tuple(
+            ChunkEntry(chunk_index=i, chain_hash=chain_hash, objects=objects) for i in range(chunks)
+        ),
+    )
+    return len(encode_manifest(manifest))
+
+
+# Every msgpack size boundary of the chunks array header (16, 65,536) and of chunk_index
+# (128, 256, 65,536: indices run to chunks - 1).
+_BOUNDARY_CHUNKS = (0, 1, 2, 15, 16, 17, 127, 128, 129, 255, 256, 257, 65_535, 65_536, 65_537)
+# (tp, pp, layer_groups, object_bytes); object sizes and member indices cross msgpack int sizes.
+_FEW_MEMBERS = ((1, 1, 1, 1), (2, 1, 1, 2**24), (1, 2, 3, 128), (1, 1, 1, 2**32), (1, 1, 2, 2**63 - 1))
+_MANY_MEMBERS = ((130, 1, 2, 65_536), (3, 4, 5, 255), (1, 1, 300, 2**16 - 1))
+
+
+@pytest.mark.parametrize("chunks", _BOUNDARY_CHUNKS)
+@pytest.mark.parametrize("shape", _FEW_MEMBERS)
+def test_manifest_bytes_exact_at_msgpack_boundaries(chunks: int, shape: tuple[int, int, int, int]) -> None:
+    assert f.manifest_bytes(chunks, *shape) == _built_manifest_bytes(chunks, *shape)
+
+
+@pytest.mark.parametrize("chunks", [n for n in _BOUNDARY_CHUNKS if n <= 257])
+@pytest.mark.parametrize("shape", _MANY_MEMBERS)
+def test_manifest_bytes_exact_with_many_members(chunks: int, shape: tuple[int, int, int, int]) -> None:
+    assert f.manifest_bytes(chunks, *shape) == _built_manifest_bytes(chunks, *shape)
+
+
+def test_manifest_bytes_does_not_build_the_manifest(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 4,096 chunks x 640 members: building it would take 4,096 ChunkEntry and 2.6 M object
+    # entries in the encoding; the closed form builds one chunk entry and its 640 objects once.
+    counts = {"chunks": 0, "objects": 0}
+
+    def chunk_entry(*args: object, **kwargs: object) -> ChunkEntry:
+        counts["chunks"] += 1
+        return ChunkEntry(*args, **kwargs)  # type: ignore[arg-type]
+
+    def object_entry(*args: object, **kwargs: object) -> ObjectEntry:
+        counts["objects"] += 1
+        return ObjectEntry(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(f, "ChunkEntry", chunk_entry)
+    monkeypatch.setattr(f, "ObjectEntry", object_entry)
+    size = f.manifest_bytes(4096, 8, 8, 10, 2**20)
+    assert counts["chunks"] <= 2
+    assert counts["objects"] <= 640
+    # Same as 4,096 x the per-chunk entry of a small build, checked exactly on a smaller prefix:
+    # the 640-member entry size times chunks, plus what the indices and the header add.
+    one, two = f.manifest_bytes(1, 8, 8, 10, 2**20), f.manifest_bytes(2, 8, 8, 10, 2**20)
+    entry = two - one
+    assert size == one + 4095 * entry + (256 - 128) * 1 + (4096 - 256) * 2 + (3 - 1)
+
+
+def test_manifest_bytes_up_to_the_largest_array() -> None:
+    # Past 65,536 chunks every entry adds the same (chunk_index a uint 32, header an array 32),
+    # up to 2**32 - 1 entries, the most an array 32 (and a u32 chunk_index) allows.
+    step = f.manifest_bytes(65_538, 1, 1, 1, 1) - f.manifest_bytes(65_537, 1, 1, 1, 1)
+    assert step == f.manifest_bytes(2, 1, 1, 1, 1) - f.manifest_bytes(1, 1, 1, 1, 1) + 4
+    big = f.manifest_bytes(2**32 - 1, 1, 1, 1, 1)
+    assert big == f.manifest_bytes(65_537, 1, 1, 1, 1) + (2**32 - 1 - 65_537) * step
+    with pytest.raises(ValueError, match="out of range"):
+        f.manifest_bytes(2**32, 1, 1, 1, 1)
 
 
 def test_units_hotspot_hosts_and_moves() -> None:

@@ -1,8 +1,9 @@
 """Pure planning formulas: numbers in, numbers out (bytes, seconds, fractions).
 
 Metadata sizes come from the real encodings: `KEY_BYTES`/`CHUNK_GROUP_BYTES` of
-`kvfabric.format.key`, `encode_manifest()` of a synthetic manifest of the right shape, and the
-directory's packed record per published chunk group (`kvfabric.core.directory.records`):
+`kvfabric.format.key`, `encode_manifest()` of synthetic manifests of the right shape with 0 and
+1 chunks (`manifest_bytes()` derives the size for any chunk count from those two without building
+it), and the directory's packed record per published chunk group (`kvfabric.core.directory.records`):
 header 10 B + per member 31 B + per replica 16 B. Directory RAM adds the measured overhead per
 record (docs/directory.md: 243 B of RSS per published single-member single-replica object whose
 record is 57 B, so 186 B of dict/`bytes` overhead per group).
@@ -108,21 +109,31 @@ def directory_ram_bytes(groups: int, members: int, replicas: int) -> int:
     return groups * (group_record_bytes(members, replicas) + DIRECTORY_RAM_OVERHEAD_PER_GROUP)
 
 
-def manifest_bytes(chunks: int, tp: int, pp: int, layer_groups: int, object_bytes: int) -> int:
-    """Size of the real msgpack manifest of a prefix with `chunks` complete chunk groups."""
-    checksum = b"\x00" * SUPPORTED_CHECKSUM_ALGOS[CHECKSUM_ALGO]
-    size = max(1, object_bytes)
-    objects = tuple(
-        ObjectEntry(tp_rank=r, pp_stage=s, layer_group=g, size_bytes=size, checksum=checksum)
-        for r in range(tp)
-        for s in range(pp)
-        for g in range(layer_groups)
-    )
-    entries = tuple(
-        ChunkEntry(chunk_index=i, chain_hash=ChainHash(b"\xff" * CHAIN_HASH_BYTES), objects=objects)
-        for i in range(chunks)
-    )
-    manifest = Manifest(
+# msgpack's unsigned integer encodings: (first value, first value past the range, bytes).
+_MSGPACK_UINT_SIZES: Final = (
+    (0, 1 << 7, 1),  # positive fixint
+    (1 << 7, 1 << 8, 2),  # uint 8
+    (1 << 8, 1 << 16, 3),  # uint 16
+    (1 << 16, 1 << 32, 5),  # uint 32
+    (1 << 32, 1 << 64, 9),  # uint 64
+)
+_MANIFEST_CHUNKS_MAX: Final = (1 << 32) - 1  # an array 32 holds at most 2**32 - 1 entries
+
+
+def _msgpack_array_header_bytes(n: int) -> int:
+    """fixarray (n < 16), array 16 (n < 65,536), array 32."""
+    if n < 16:
+        return 1
+    return 3 if n < 1 << 16 else 5
+
+
+def _msgpack_uints_bytes(n: int) -> int:
+    """Total msgpack bytes of the integers 0, 1, ..., n - 1 (one count per encoding range)."""
+    return sum(size * max(0, min(n, hi) - lo) for lo, hi, size in _MSGPACK_UINT_SIZES)
+
+
+def _manifest(tp: int, pp: int, layer_groups: int, chunks: tuple[ChunkEntry, ...]) -> Manifest:
+    return Manifest(
         format_version=1,
         domain_digest=DomainDigest(b"\x00" * DOMAIN_DIGEST_BYTES),
         model_digest=ModelDigest(b"\x00" * MODEL_DIGEST_BYTES),
@@ -131,9 +142,38 @@ def manifest_bytes(chunks: int, tp: int, pp: int, layer_groups: int, object_byte
         layer_group_count=layer_groups,
         tokens_per_chunk=1,
         layout_digest=LayoutDigest(b"\x00" * LAYOUT_DIGEST_BYTES),
-        chunks=entries,
+        chunks=chunks,
     )
-    return len(encode_manifest(manifest))
+
+
+def manifest_bytes(chunks: int, tp: int, pp: int, layer_groups: int, object_bytes: int) -> int:
+    """Size of the real msgpack manifest (`encode_manifest()`) of a prefix with `chunks` complete
+    chunk groups (chunk indices 0..chunks-1, tp x pp x layer_groups objects each), exact, without
+    building it: O(members), not O(chunks x members).
+
+    The manifests with 0 chunks and with one chunk (index 0) are encoded; their difference is one
+    chunk entry with chunk_index 0. Every chunk entry is an array [chunk_index, chain_hash,
+    objects] with the same chain hash and objects, so the entries differ only in the msgpack
+    encoding of chunk_index (1, 2, 3, 5 or 9 bytes by range), and `chunks` is the last field of
+    the manifest map, whose array header grows from 1 byte (fixarray) to 3 (array 16) or 5
+    (array 32): size = empty - 1 + header(chunks) + chunks x (entry - 1) + sum of the msgpack
+    sizes of 0..chunks-1."""
+    n = max(0, chunks)
+    if n > _MANIFEST_CHUNKS_MAX:
+        raise ValueError(f"chunks={chunks} out of range 0..{_MANIFEST_CHUNKS_MAX}")
+    checksum = b"\x00" * SUPPORTED_CHECKSUM_ALGOS[CHECKSUM_ALGO]
+    size = max(1, object_bytes)
+    objects = tuple(
+        ObjectEntry(tp_rank=r, pp_stage=s, layer_group=g, size_bytes=size, checksum=checksum)
+        for r in range(tp)
+        for s in range(pp)
+        for g in range(layer_groups)
+    )
+    first = ChunkEntry(chunk_index=0, chain_hash=ChainHash(b"\xff" * CHAIN_HASH_BYTES), objects=objects)
+    empty, one = (len(encode_manifest(_manifest(tp, pp, layer_groups, e))) for e in ((), (first,)))
+    entry_without_index = one - empty - _msgpack_uints_bytes(1)  # chunk_index 0: 1 byte
+    without_chunks = empty - _msgpack_array_header_bytes(0)
+    return without_chunks + _msgpack_array_header_bytes(n) + n * entry_without_index + _msgpack_uints_bytes(n)
 
 
 def gbps_to_bytes_per_s(gbps: float) -> float:
