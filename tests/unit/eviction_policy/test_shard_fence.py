@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import msgspec
+import pytest
 
 from kvfabric.core.eviction import EvictionConfig, EvictionCore
 from kvfabric.eviction_policy.metrics import EvictionCollector
@@ -24,7 +25,7 @@ from kvfabric.eviction_policy.shell import EvictionShell, now_ms
 from kvfabric.format.ids import ChainHash, DomainDigest, Namespace
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
-from tests.unit.eviction_policy.test_adoption import Listing, summary
+from tests.unit.eviction_policy.test_adoption import Listing, run_adopter_until_one_adoption, summary
 
 NAMESPACE = Namespace(bytes(4) + b"A" * 16 + bytes(34))
 WAIT_S = 20.0  # generous: a loaded machine
@@ -111,40 +112,63 @@ G = A + ChainHash((1).to_bytes(32, "little"))  # the group `published(1, ...)` n
 
 
 class Handed(Listing):
-    """Shard 0 listed by its new leader, epoch 5 (its `shard_started` lost in the gap the
-    adoption makes up for), holding group 1 on s1; `epochs`: the newest epoch the router knows
-    per shard as the adoption begins (`DirectoryRouter.epochs`); `first`: run as the shard's
-    listing begins, before its first page comes."""
+    """Shard 0 listed by its new leader, epoch 5, holding `groups` (by default group 1 on s1);
+    `epochs`: the newest epoch the router knows per shard as the adoption begins
+    (`DirectoryRouter.epochs`); `first`: run once, as the shard's first listing begins, before its
+    first page comes (the follower reading on meanwhile)."""
 
-    def __init__(self, epochs: dict[int, int], first: Callable[[], None] | None = None) -> None:
-        super().__init__([summary(1, ("s1", 1), size=10)])
+    def __init__(
+        self,
+        epochs: dict[int, int],
+        first: Callable[[], None] | None = None,
+        groups: list[m.GroupSummary] | None = None,
+    ) -> None:
+        super().__init__([summary(1, ("s1", 1), size=10)] if groups is None else groups)
         self.epochs = dict(epochs)
         self.first = first
 
     async def shard_pages(
         self, shard: int, query: m.ListGroups, timeout_s: float, pages_max: int
     ) -> AsyncIterator[m.GroupList]:
-        if self.first is not None:
-            self.first()
+        first, self.first = self.first, None
+        if first is not None:
+            first()
         yield m.GroupList(epoch=5, groups=self.groups)
 
 
-def tracking_g() -> EvictionShell:
-    """A policy that applied group 1's publication by shard 0's core under epoch 4."""
+def fresh_shell() -> EvictionShell:
+    """A policy with segment s1 up whose start adoption is done (nothing asked for)."""
     core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.9, low_watermark=0.5), {})
     sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0, demote=False)
     sh._started_ms = now_ms() - 900
     sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1 << 20), now_ms() - 800)
-    sh._on_message(message(1, published(1, 10), (0, 4)))
-    assert G in core and sh._shard_epochs.highest(0) == 4
+    sh._adopt_wanted.clear()
+    sh._adopt_fences = False
+    sh.caught_up.set()
     return sh
 
 
-def late_eviction(seq: int) -> Any:
-    """The old core's (epoch 4) `evicted` of group 1, late: the new core holds the group."""
+def tracking_g() -> EvictionShell:
+    """A policy that applied group 1's publication by shard 0's core under epoch 4."""
+    sh = fresh_shell()
+    sh._on_message(message(1, published(1, 10), (0, 4)))
+    assert G in sh.core and sh._shard_epochs.highest(0) == 4
+    return sh
+
+
+def late_eviction(seq: int, i: int = 1) -> Any:
+    """The old core's (epoch 4) `evicted` of group `i` (by default 1, late: the new core holds
+    the group)."""
     return message(
-        seq, m.GroupEvicted(group=ChainHash((1).to_bytes(32, "little")), reason="policy", domain=A), (0, 4)
+        seq, m.GroupEvicted(group=ChainHash(i.to_bytes(32, "little")), reason="policy", domain=A), (0, 4)
     )
+
+
+def gap_after_1(sh: EvictionShell) -> None:
+    """The stream lost events 2-10 ahead of the policy: it reads 11 next (shard 1's core's), a
+    gap in the sequences, and asks for the adoption that makes up for it."""
+    sh._on_message(message(11, published(7, 1), (1, 1)))
+    assert sh.last_seq == 11 and sh._adopt_wanted.is_set() and sh._adopt_fences
 
 
 def test_a_gap_adoption_fences_the_predecessors_of_the_leaders_it_listed() -> None:
@@ -154,22 +178,61 @@ def test_a_gap_adoption_fences_the_predecessors_of_the_leaders_it_listed() -> No
     the policy forgot a group the directory holds (its bytes counted nowhere, never evicted)."""
     sh = tracking_g()
     sh._router = Handed(epochs={})  # (the router knew no epoch before the listing's replies)
-    asyncio.run(asyncio.wait_for(sh.adopt_listed(), WAIT_S))
-    assert sh._shard_epochs.highest(0) == 5
-    sh._on_message(late_eviction(11))  # (after the gap: another adoption is asked, as before)
-    assert sh.last_seq == 11 and sh.events_fenced == 1
-    assert G in sh.core and sh.core.used_bytes("s1") == 10
+    gap_after_1(sh)
+    asyncio.run(asyncio.wait_for(run_adopter_until_one_adoption(sh), WAIT_S))
+    assert sh.adoptions == 1 and sh._shard_epochs.highest(0) == 5
+    sh._on_message(late_eviction(12))
+    assert sh.last_seq == 12 and sh.events_fenced == 1
+    assert G in sh.core and sh.core.used_bytes("s1") == 11
 
 
-def test_an_adoption_fences_from_the_epochs_known_as_it_begins() -> None:
-    """The old core's late `evicted` arrives while the adoption is under way, before shard 0's
-    first page: the epoch the router knew for the shard as the adoption began fences it (applied,
-    the group was gone since the adoption began, and the page naming it was not taken)."""
+def test_a_gap_adoption_fences_from_the_epochs_known_as_it_begins() -> None:
+    """After a gap, the old core's late `evicted` arrives while the adoption is under way, before
+    shard 0's first page: the epoch the router knew for the shard as the adoption began fences it
+    (applied, the group was gone since the adoption began, and the page naming it was not
+    taken)."""
     sh = tracking_g()
-    sh._router = Handed(epochs={0: 5}, first=lambda: sh._on_message(late_eviction(11)))
-    asyncio.run(asyncio.wait_for(sh.adopt_listed(), WAIT_S))
-    assert sh.last_seq == 11 and sh.events_fenced == 1
-    assert G in sh.core and sh.core.used_bytes("s1") == 10
+    sh._router = Handed(epochs={0: 5}, first=lambda: sh._on_message(late_eviction(12)))
+    gap_after_1(sh)
+    asyncio.run(asyncio.wait_for(run_adopter_until_one_adoption(sh), WAIT_S))
+    assert sh.adoptions == 1
+    assert sh.last_seq == 12 and sh.events_fenced == 1
+    assert G in sh.core and sh.core.used_bytes("s1") == 11
+
+
+@pytest.mark.parametrize("why", ["marker", "confirming"])
+def test_a_marker_or_confirming_adoption_does_not_fence_the_valid_events_read_meanwhile(why: str) -> None:
+    """Review, 2026-12-07: every adoption raised the fence to the epochs the router knew as it
+    began, while the follower read on through its backlog. Shard 0's old core (epoch 4) publishes
+    group 1 (seq 3) and evicts group 2 (seq 4) as the valid leader, before its successor's marker
+    (seq 5, epoch 5); an adoption asked for another reason (another shard's marker at seq 2, or
+    the one confirming missed groups gone) begins knowing epoch 5, and the follower reads 3-5
+    before shard 0's page. Fenced, group 1 was adopted from the page ranked coldest instead of
+    taken from its own `published`, and group 2 stayed counted until whole listings had missed
+    it for `MISSED_FORGET_MS`."""
+    sh = fresh_shell()
+    sh._on_message(message(1, published(2, 100), (0, 4)))
+    g2 = A + ChainHash((2).to_bytes(32, "little"))
+    assert g2 in sh.core
+    if why == "marker":
+        sh._on_message(message(2, m.ShardStarted(shard=1, epoch=7), (1, 7)))
+        assert sh._adopt_wanted.is_set() and not sh._adopt_fences
+    else:
+        sh._on_message(message(2, published(7, 1), (1, 1)))
+        sh._confirm_due_ms = lambda: 0  # type: ignore[method-assign]  # (due: missed groups)
+        assert not sh._adopt_wanted.is_set()
+
+    def reads_on() -> None:
+        sh._on_message(message(3, published(1, 10), (0, 4)))
+        sh._on_message(late_eviction(4, i=2))
+        sh._on_message(message(5, m.ShardStarted(shard=0, epoch=5), (0, 5)))
+
+    sh._router = Handed(epochs={0: 5}, first=reads_on)
+    asyncio.run(asyncio.wait_for(run_adopter_until_one_adoption(sh), WAIT_S))
+    assert sh.adoptions >= 1 and sh.last_seq == 5 and sh.events_fenced == 0
+    assert G in sh.core and G not in sh._adopted  # from its own event, not the page
+    assert g2 not in sh.core and sh.core.used_bytes("s1") == (10 if why == "marker" else 11)
+    assert sh._shard_epochs.highest(0) == 5  # the marker read raised it
 
 
 class Logged:

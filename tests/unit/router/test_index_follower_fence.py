@@ -107,27 +107,34 @@ def test_the_catch_up_replays_onto_a_listings_view_without_the_late_events() -> 
     assert index.counters["events_fenced"] == 2  # the follower's and the replay's
 
 
+class Directory:
+    """The directory as the router sees it: shard 0 led under `before` when the groups' listing
+    begins, its pages answered under `paged` (a newer leader the router finds on the way: a
+    `wrong_shard` answer, the map asked again, `DirectoryRouter.epochs` raised by the reply)."""
+
+    def __init__(self, before: int, paged: int) -> None:
+        self.epochs = {0: before}
+        self.paged = paged
+
+    async def segments(self, timeout_s: float) -> m.SegmentList:
+        info = m.SegmentInfo(
+            segment_id="s1", incarnation=1, domain=m.FailureDomain(host="h"), up=True, draining=False,
+            capacity_bytes=1, reserved_bytes=0, reported_used_bytes=0, last_heartbeat_ms=0, data_addr="",
+        )  # fmt: skip
+        return m.SegmentList(epoch=self.epochs[0], segments=[info])
+
+    async def list_groups(self, query: m.ListGroups, timeout_s: float, pages_max: int) -> list[Any]:
+        await asyncio.sleep(0)
+        self.epochs[0] = max(self.epochs[0], self.paged)
+        return []
+
+
 def test_a_gap_listing_fences_the_predecessors_of_the_leaders_it_listed() -> None:
     """The events a gap lost may hold a shard's marker: the listing's shard map epochs fence the
     late events of the cores they replaced all the same."""
-
-    class Directory:
-        def __init__(self) -> None:
-            self.epochs = {0: 5}  # shard 0 led under epoch 5 when listed
-
-        async def segments(self, timeout_s: float) -> m.SegmentList:
-            info = m.SegmentInfo(
-                segment_id="s1", incarnation=1, domain=m.FailureDomain(host="h"), up=True, draining=False,
-                capacity_bytes=1, reserved_bytes=0, reported_used_bytes=0, last_heartbeat_ms=0, data_addr="",
-            )  # fmt: skip
-            return m.SegmentList(epoch=5, segments=[info])
-
-        async def list_groups(self, query: m.ListGroups, timeout_s: float, pages_max: int) -> list[Any]:
-            return []
-
     index = RoutingIndex()
     follower = follower_of(index)
-    follower.router = cast(Any, Directory())
+    follower.router = cast(Any, Directory(before=5, paged=5))  # shard 0 led under epoch 5
 
     async def run() -> None:
         await follower.resync(at_seq=10)  # the stream's events up to 10 are gone
@@ -138,6 +145,30 @@ def test_a_gap_listing_fences_the_predecessors_of_the_leaders_it_listed() -> Non
     asyncio.run(asyncio.wait_for(run(), WAIT_S))
     assert index.synced and index.last_seq == 12
     assert set(index.groups) == {key(1)} and index.counters["events_fenced"] == 1
+
+
+def test_a_gap_listing_fences_by_the_leaders_that_answered_its_pages() -> None:
+    """Review, 2026-12-07: the gap lost events 1-10, among them the marker of shard 0's core under
+    epoch 5; the router knew epoch 4 as the listing began, and epoch 5's core answered its pages
+    (found on the way). The fence was raised to the copy taken before the pages (4): the old
+    core's late publication at 11 was applied, the index held a group the directory lacks. The
+    epochs the shard map is compared with later stay those known as the listing began (a leader
+    moved meanwhile is listed again: the lower, the safer)."""
+    index = RoutingIndex()
+    follower = follower_of(index)
+    follower.router = cast(Any, Directory(before=4, paged=5))
+
+    async def run() -> None:
+        await follower.resync(at_seq=10)  # the stream's events up to 10 are gone
+        await follower.apply_batch(
+            [message(11, published(0, 1, "s1"), (0, 4)), message(12, published(1, 1, "s1"), (0, 5))]
+        )
+
+    asyncio.run(asyncio.wait_for(run(), WAIT_S))
+    assert index.synced and index.last_seq == 12
+    assert index.fence.highest(0) == 5
+    assert set(index.groups) == {key(1)} and index.counters["events_fenced"] == 1
+    assert follower._listed_epochs == {0: 4}
 
 
 class Logged:

@@ -10,8 +10,10 @@ event loop):
   `Kvf-Shard-Epoch` header names an epoch below one already seen for its shard (a replaced
   core's, landed after its successor's `shard_started`: a handover's drain runs while the lease
   is released) is dropped, counted `events_fenced` (`kvfabric.core.shard_fence`; logged the
-  first of each shard and epoch), a stale marker too; an adoption raises that fence to the shard
-  epochs it lists under (a marker lost with the events it makes up for is never seen). Each
+  first of each shard and epoch), a stale marker too; an adoption that makes up for stream events
+  lost (a gap, `check_stream`, the start's) raises that fence to the shard epochs it lists under
+  (a marker lost with them is never seen); a marker's or a confirming one does not (the
+  follower reads on meanwhile: an old core's valid events before its successor's marker). Each
   event goes through `apply` (`GroupRecords`,
   `group_records.py`: the per-group records kept beside the core). `published` → `core.insert`
   (object = chunk group, pools = the segments holding its bytes, tenant = its share domain,
@@ -274,6 +276,10 @@ class EvictionShell(GroupRecords):
         # before this policy started, sequences from 1 again, lost events nothing in it shows).
         self._adopt_wanted = asyncio.Event()
         self._adopt_wanted.set()
+        # The adoption asked for makes up for events the stream lost (a gap, `check_stream`, the
+        # start's): its listing raises the fence (`adopt_listed`). Not for a marker's or a
+        # confirming one. Taken by the adoption that clears `_adopt_wanted`.
+        self._adopt_fences = True
         self._started_ms = 0  # what adopted groups rank as last used (before any replayed event)
         self._past_seq = 0  # `_past` is set once the follower applied this sequence
         self._past = asyncio.Event()
@@ -422,13 +428,17 @@ class EvictionShell(GroupRecords):
             recreated=None not in (created, created_before) and created != created_before,
         )
         self.last_seq = max(first_seq - 1, 0)  # (so a reconnect does not find them lost again)
-        self._events_lost(end_seq)
+        self._events_lost(end_seq, lost=True)
         return True
 
-    def _events_lost(self, end_seq: int) -> None:
+    def _events_lost(self, end_seq: int, *, lost: bool) -> None:
         """Adopt the listing once the follower has applied `end_seq`; a waiter on the follower
-        (`_reach`) looks again (the sequences may have moved back)."""
+        (`_reach`) looks again (the sequences may have moved back). `lost`: stream events are
+        gone (a gap, `check_stream`), not only a core's unpublished ones (a `shard_started`,
+        which is in the fence itself): the adoption's listing raises the fence
+        (`adopt_listed`)."""
         self._adopt_after_seq = end_seq
+        self._adopt_fences = self._adopt_fences or lost
         self._adopt_wanted.set()
         self._past.set()
 
@@ -482,7 +492,7 @@ class EvictionShell(GroupRecords):
             # The stream holds the directory's events only: a gap is events aged out ahead of
             # a follower that lags (it stayed subscribed, so `check_stream` did not run).
             self._log.warning("events_lost", first_seq=seq, last_applied=self.last_seq)
-            self._events_lost(seq)
+            self._events_lost(seq, lost=True)
         try:
             event: msgspec.Struct = m.event_decoder.decode(msg.data)
         except BadRequest as exc:
@@ -513,7 +523,7 @@ class EvictionShell(GroupRecords):
             # A shard's new core: what the one before it left unpublished is gone with no gap in
             # the sequences (and its rebuild told nothing of what it adopted): a loss, as above.
             self._log.info("events_lost", shard_started=event.shard, epoch=event.epoch, seq=seq)
-            self._events_lost(seq)
+            self._events_lost(seq, lost=False)
         return event
 
     def _applied(self, seq: int) -> None:
@@ -531,16 +541,18 @@ class EvictionShell(GroupRecords):
         it succeeds (any failure: logged). Without this, a policy started after the stream's
         retention (`KVF_DIRECTORY_EVENTS_MAX_AGE_S`) never evicts what was published before it:
         its segments fill for good. Also when groups whole listings missed are due for the
-        listing that confirms them gone (`_adoption_wanted`)."""
+        listing that confirms them gone (`_adoption_wanted`). The adoption raises the fence when
+        a request it answers was for stream events lost (`_adopt_fences`, `adopt_listed`)."""
         while True:
             await self._adoption_wanted()
             await self.caught_up.wait()
             self._adopt_wanted.clear()
+            fences, self._adopt_fences = self._adopt_fences, False  # (the requests it answers)
             await self._reach(self._adopt_after_seq)  # (stalled: adopt all the same, the safe side)
             retry_s = ADOPT_RETRY_S
             while True:
                 try:
-                    await self.adopt_listed()
+                    await self.adopt_listed(fences=fences)
                     break
                 except KvfError as exc:
                     self._log.info("adoption_retry", code=exc.code, retry_s=retry_s)
@@ -602,7 +614,7 @@ class EvictionShell(GroupRecords):
                 return False
         return True
 
-    async def adopt_listed(self) -> int:
+    async def adopt_listed(self, *, fences: bool = False) -> int:
         """Every shard's published groups, page by page (the loop runs between pages); each one
         not tracked goes into the core as if published then, ranked as last used before this
         policy started (its history is lost: it goes before anything the policy saw used), with
@@ -616,10 +628,17 @@ class EvictionShell(GroupRecords):
         segment for good, for an adopted group as for a relisted one). An adopted
         group whose own `published` event the follower reaches afterwards is taken again from
         it (`GroupRecords._published`); once the follower has read past the stream's end as of
-        the listing, none can come. The shard epochs the listing reads under (those the router
-        knows as it begins, each page's) raise the follower's fence (`_shard_epochs`): the
-        events lost may have held a new core's `shard_started`, and its predecessor's late
-        events (an `evicted` of a group the new core holds) must not be applied after it.
+        the listing, none can come. `fences`, when the adoption makes up for stream events
+        lost (a gap, `check_stream`, the start's: `_events_lost`): the shard epochs the listing
+        reads under (those the router knows as it begins, each page's) raise the follower's
+        fence (`_shard_epochs`): the events lost may have held a new core's `shard_started`,
+        and its predecessor's late events (an `evicted` of a group the new core holds) must not
+        be applied after it. Not otherwise (a `shard_started`'s adoption: its marker is in the
+        fence already; a confirming one): the follower reads on meanwhile, and an old core's
+        events that precede its successor's marker in the stream, valid, were dropped as late
+        (review, 2026-12-07: a group's `published` dropped, the group adopted ranked coldest;
+        its `evicted` dropped, the group counted until whole listings missed it for
+        `MISSED_FORGET_MS`).
 
         A resync, not only an addition: what the lost events removed is removed too. A tracked
         group a page names, and no event applied since the adoption began named, moves to the
@@ -651,15 +670,17 @@ class EvictionShell(GroupRecords):
         self._up_while_adopting = set()
         try:
             shards = await router.known_shards()
-            # The leaders listed fence their predecessors' late events (`_decoded`): a marker lost
-            # with the events this adoption makes up for is never seen (the router's gap listing
-            # does the same, `kvfabric.router.index_follower`). The epochs known as it begins (the
-            # shard map's, the replies'), then each page's own, before its groups are taken.
-            self._shard_epochs.raise_to(router.epochs)
+            # Events lost: the leaders listed fence their predecessors' late events (`_decoded`),
+            # a marker lost with them is never seen (the router's gap listing does the same,
+            # `kvfabric.router.index_follower`). The epochs known as it begins (the shard map's,
+            # the replies'), then each page's own, before its groups are taken.
+            if fences:
+                self._shard_epochs.raise_to(router.epochs)
             for shard in range(shards):
                 last: m.GroupList | None = None
                 async for page in router.shard_pages(shard, query, self.request_timeout_s, ADOPT_PAGES_MAX):
-                    self._shard_epochs.raise_to({shard: page.epoch})
+                    if fences:
+                        self._shard_epochs.raise_to({shard: page.epoch})
                     last = page
                     at = self._driver.now_ms()
                     for summary in page.groups:

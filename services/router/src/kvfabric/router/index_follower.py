@@ -55,7 +55,8 @@
   `shard_started`: a handover's drain runs while the lease is released), counted
   `index_events_fenced`, logged `event_fenced` (the first of each shard and epoch: a drained
   outbox's late events come by the thousand; `RoutingIndex`, "fenced"). A gap listing raises
-  that fence to the shard map's epochs it listed under (markers among the lost events unseen).
+  that fence to the shard map's epochs it listed under (markers among the lost events unseen),
+  as the router knows them once the pages came (a page may be a newer leader's).
 - A fetch with events that leave at most one more fetch pending (`caught_up`), a fetch that
   answers with none when the stream, asked then, has nothing past the index (`_at_end`: nats-py
   raises the same timeout with the connection down, and a router cut off counted itself
@@ -411,7 +412,7 @@ class IndexFollower:
             self.resync_failures += 1
             raise
         at_seq = int(info.state.last_seq)
-        _, listed_epochs = await self._list_into_index(at_seq, listing)
+        _, listed_epochs, _ = await self._list_into_index(at_seq, listing)
         self.resync_seconds_last = time.monotonic() - started
         return at_seq, listed_epochs
 
@@ -437,10 +438,11 @@ class IndexFollower:
     async def resync(self, at_seq: int) -> None:
         """List the directory and replace the index (events after `at_seq` replay on top)."""
         started = time.monotonic()
-        token, listed_epochs = await self._list_into_index(at_seq)
+        token, listed_epochs, paged_epochs = await self._list_into_index(at_seq)
         # The leaders' epochs listed fence their predecessors' late events after `at_seq`:
-        # markers among the events lost are not seen (`RoutingIndex`, "fenced").
-        self.index.fence.raise_to(listed_epochs)
+        # markers among the events lost are not seen (`RoutingIndex`, "fenced"). Those known once
+        # the pages came (`paged_epochs`): a page may be a newer leader's, found on the way.
+        self.index.fence.raise_to(paged_epochs)
         if not self.index.resync_done(token):
             # Replaced by another listing's view (which `_list_into_index` prevents): listed
             # again, as after a failed listing.
@@ -457,19 +459,26 @@ class IndexFollower:
 
     async def _list_into_index(
         self, at_seq: int, listing: _Listing | None = None
-    ) -> tuple[int, dict[int, int]]:
+    ) -> tuple[int, dict[int, int], dict[int, int]]:
         """The directory listed into a new view of the index as of stream sequence `at_seq`
-        (`resync_start`, `resync_add` a slice a turn of the loop): its build token and the
-        leader epochs of the listing. The caller swaps it in. A stale `listing` given up
-        meanwhile starts no view (checked with no wait before `resync_start`)."""
+        (`resync_start`, `resync_add` a slice a turn of the loop): its build token, the leader
+        epochs known as the groups' listing began and those known once its pages came (each at
+        least its pages' epoch: `DirectoryRouter.epochs`). The caller swaps it in. A stale
+        `listing` given up meanwhile starts no view (checked with no wait before
+        `resync_start`)."""
         try:
             segments = await self.router.segments(self.request_timeout_s)
-            # the leaders listed (a change during the listing shows at the next check)
+            # The leaders listed, as it begins: compared with the shard map's by `check_leaders`
+            # (the lower the safer: a change during the listing shows at the next check).
             listed_epochs = dict(self.router.epochs)
             query = m.ListGroups(
                 domain_digest=self.domain_digest, limit=LISTING_PAGE_GROUPS, with_objects=True
             )
             summaries = await self.router.list_groups(query, self.request_timeout_s, self.listing_pages_max)
+            # The pages may come from a newer leader found on the way (a wrong_shard answer, the
+            # map asked again): its epoch is the fence's (review, 2026-12-07: the copy above
+            # admitted the late events of the core that leader replaced).
+            paged_epochs = dict(self.router.epochs)
         except KvfError:
             self.resync_failures += 1
             raise
@@ -493,4 +502,4 @@ class IndexFollower:
             if not self.index.resync_add(token, groups):
                 break  # its view given up or replaced: nothing more of it is written
             await asyncio.sleep(0)  # routes are answered between slices
-        return token, listed_epochs
+        return token, listed_epochs, paged_epochs
