@@ -411,6 +411,41 @@ def test_a_failed_release_is_retried_a_bounded_number_of_times_within_its_lease(
     assert keeper.releases_pending == 0 and keeper.counters["lease_releases_abandoned_total"] == 2
 
 
+def test_releases_ready_counts_what_a_round_could_start_and_the_next_retry_is_known() -> None:
+    """What the shell asks to start a round between ticks only when one can start something: the
+    releases queued within each shard's room (`releases_ready`, the retries due requeued first)
+    and when the first retry comes due (`next_release_retry_ms`)."""
+    keeper = HintLeases(LeaseKeeping(retry_ms=1_000))
+    for i in range(20):
+        keeper.keep(("t", f"a{i}"), [(0, 100 + i)], 30_000, now_ms=0)
+    for i in range(3):
+        keeper.keep(("t", f"b{i}"), [(1, 200 + i)], 30_000, now_ms=0)
+    for named in list(keeper.held):
+        keeper.give_back(named, 1_000)
+    in_flight = {0: 0, 1: 0}
+    room = lambda shard: 16 - in_flight[shard]  # noqa: E731
+    assert keeper.releases_ready(1_000) == 23 and keeper.releases_ready(1_000, room) == 16 + 3
+    assert keeper.next_release_retry_ms() is None
+    started = keeper.releases(1_000, shard_room=room)
+    assert len(started) == 19 and keeper.releases_ready(1_000) == 4  # shard 0's last 4
+    in_flight = {0: 16, 1: 3}
+    assert keeper.releases_ready(1_000, room) == 0  # shard 0's room full, shard 1's queue empty
+    in_flight[0] = 15  # one answered on shard 0: its room freed
+    keeper.release_done(started[0].lease)
+    assert keeper.releases_ready(1_010, room) == 1
+    failed = started[16]  # shard 1's first: sent again at 2 010
+    keeper.release_failed(failed.lease, 1_010)
+    in_flight[1] = 2
+    assert keeper.next_release_retry_ms() == 2_010
+    assert keeper.releases_ready(2_009, room) == 1  # not due yet
+    assert keeper.releases_ready(2_010, room) == 2 and keeper.next_release_retry_ms() is None
+    again = keeper.releases(2_010, shard_room=room)
+    assert [r.lease for r in again] == [(0, 116), failed.lease] and again[1].attempt == 2
+    in_flight = {0: 16, 1: 3}
+    assert keeper.releases_ready(2_010, room) == 0 and keeper.releases_ready(2_010) == 3
+    keeper.check_invariants()
+
+
 def test_the_release_queue_is_bounded_and_expired_leases_are_not_released() -> None:
     keeper = HintLeases(LeaseKeeping(release_queue_max=10))
     for i in range(15):
@@ -464,7 +499,13 @@ def test_renewals_and_releases_under_random_limits_keep_the_invariants() -> None
         if rng.random() < 0.1:
             for named in rng.sample(list(keeper.held), min(10, len(keeper.held))):
                 keeper.give_back(named, now)
-        releasing += [r.lease for r in keeper.releases(now, limit=rng.randrange(1, 10))]
+        ready, abandoned = keeper.releases_ready(now), keeper.counters["lease_releases_abandoned_total"]
+        limit = rng.randrange(1, 10)
+        started = keeper.releases(now, limit=limit)
+        dropped = keeper.counters["lease_releases_abandoned_total"] - abandoned
+        # `releases_ready`: what a round with no limit would take (started, or dropped expired)
+        assert len(started) == limit or len(started) + dropped == ready
+        releasing += [r.lease for r in started]
         for lease in releasing[: rng.randrange(len(releasing) + 1)]:
             releasing.remove(lease)
             if rng.random() < 0.3:

@@ -5,8 +5,10 @@ Synchronous and I/O-free: the prefetch shell tells it the leases a hint's lookup
 more each shard and this round may start), sends one `lease_renew` per lease it names and
 reports the answer (`renewed` / `renew_failed`); an ended hint's leases are queued to be given
 back (`give_back`), and the shell asks which releases to send (`releases`, bounded the same way)
-and reports each answer (`release_done` / `release_failed`). Times are the wall clock in ms
-(hint deadlines are wall clock, and so are the directory's lease expiries).
+and reports each answer (`release_done` / `release_failed`); it asks how many could start now
+(`releases_ready`) and when the next retry is due (`next_release_retry_ms`) to start a round
+only when one can start something. Times are the wall clock in ms (hint deadlines are wall
+clock, and so are the directory's lease expiries).
 
 Why (known defect "Prefetch: leases of a hint are not renewed past 30 s"): a hint's lookup asks
 for leases of `min(30 s, deadline - now)` and nothing renewed them, while the hint lived to its
@@ -476,12 +478,7 @@ class HintLeases:
         `release_failed`): at most `limit` in all and `shard_room(shard)` on a shard (None: no
         bound), first queued first; the others wait for a later round. One whose lease has
         expired meanwhile is dropped (`lease_releases_abandoned_total`)."""
-        while self._retry and self._retry[0][0] <= now_ms:
-            at_ms, lease = heapq.heappop(self._retry)
-            release = self._releases.get(lease)
-            if release is not None and release.retry_at_ms == at_ms:
-                release.retry_at_ms = 0
-                self._ready.setdefault(lease[0], deque()).append((next(self._order), lease))
+        self._requeue_retries(now_ms)
         room: dict[int, int | None] = {}
         heads: list[tuple[int, int]] = []
         for shard, ready in self._ready.items():
@@ -509,6 +506,25 @@ class HintLeases:
             del self._ready[shard]
         return out
 
+    def releases_ready(self, now_ms: int, shard_room: Callable[[int], int] | None = None) -> int:
+        """How many releases `releases(now_ms, shard_room=...)` would start with no round limit:
+        those queued on each shard (the retries due by `now_ms` queued again first, as `releases`
+        does), at most `shard_room(shard)` there (None: no bound); one whose lease has expired
+        meanwhile counts until a round drops it. The shell asks it when a release ends (its
+        shard's room freed) and after each round, and starts another round only when this is
+        more than 0: those held back by their shard's room or a retry's wait started only at
+        the next tick (up to `tick_ms`, 60 s; review of the change)."""
+        self._requeue_retries(now_ms)
+        return sum(
+            len(ready) if shard_room is None else min(len(ready), max(0, shard_room(shard)))
+            for shard, ready in self._ready.items()
+        )
+
+    def next_release_retry_ms(self) -> int | None:
+        """When the first release waiting to be retried (`release_failed`) comes due (None: none
+        waits); the shell starts a round then."""
+        return self._retry[0][0] if self._retry else None
+
     def release_done(self, lease: Lease) -> None:
         """`lease` was released (or the directory no longer held it: `not_found`)."""
         release = self._releases.get(lease)
@@ -533,6 +549,16 @@ class HintLeases:
         heapq.heappush(self._retry, (retry_at, lease))
 
     # ---- internals -------------------------------------------------------------------------
+
+    def _requeue_retries(self, now_ms: int) -> None:
+        """The releases whose retry time came by `now_ms`: WAITING, then QUEUED again (last on
+        their shard's queue)."""
+        while self._retry and self._retry[0][0] <= now_ms:
+            at_ms, lease = heapq.heappop(self._retry)
+            release = self._releases.get(lease)
+            if release is not None and release.retry_at_ms == at_ms:
+                release.retry_at_ms = 0
+                self._ready.setdefault(lease[0], deque()).append((next(self._order), lease))
 
     def _take(self, named: Named) -> list[tuple[Lease, int | None]]:
         """`named`'s leases, each with the latest expiry the directory may hold it to (None: not

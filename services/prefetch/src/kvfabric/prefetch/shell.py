@@ -33,14 +33,16 @@
   `REQUESTS_STARTED_PER_TICK_MAX` renewals; releases are started at a rate whatever `tick_ms`
   is: at most `RELEASES_BURST` (64) at once and `RELEASES_PER_S` (3200: 64 per 20 ms, a tick's
   worth at the default) over time, one token bucket on the monotonic clock for every path that
-  starts them (the tick's own, each hint's leases given back between ticks, a round
-  `RELEASE_ROUND_S` after one the budget cut short, `stop`'s rounds; each call had a budget of
-  its own, up to 64 more per hint whose leases went back between two ticks, then one budget of
-  64 a tick was 64 a second at `tick_ms` 1000, 320 in `stop`'s 5 s). No more on a shard than
+  starts them (the tick's own, each hint's leases given back between ticks, the rounds between
+  ticks, `stop`'s rounds; each call had a budget of its own, up to 64 more per hint whose leases
+  went back between two ticks, then one budget of 64 a tick was 64 a second at `tick_ms` 1000,
+  320 in `stop`'s 5 s). No more on a shard than
   leave `RENEWALS_AT_ONCE` / `RELEASES_AT_ONCE` of them in flight there: a task is created only
-  for a request sent at once (tasks = requests in flight); the rest wait in `HintLeases` for a
-  later round or tick (renewals earliest expiry first, releases first queued first). Each
-  release has its own deadline
+  for a request sent at once (tasks = requests in flight); the rest wait in `HintLeases`:
+  renewals for a later tick, earliest expiry first; releases, first queued first, for a round
+  between ticks planned as soon as one can start (`_plan_release_round`: the budget refilled,
+  `RELEASE_ROUND_S` later; a release ended on its shard; a retry due), not for the next tick (up
+  to 60 s: one shard started 16 of 640 in a 1 s tick). Each release has its own deadline
   (`request_timeout_s` + `RELEASE_DEADLINE_SLACK_S`); a failed one is sent again 1 s later, at
   most 3 sends in all and never past its lease's expiry; at most `RELEASES_QUEUED_MAX` queued,
   more left to expire. The leases no hint keeps (a lookup's outside its hit, those of a hint that
@@ -184,9 +186,10 @@ def copy_writer_id(target: str) -> str:
 # per tick: one token bucket (`_release_budget`) of `RELEASES_BURST` refilled at `RELEASES_PER_S`
 # on the monotonic clock, whatever `tick_ms` is (1..60000), drawn by every path that starts
 # them (`_start_releases`: the tick's own, each hint's leases given back between ticks, the
-# rounds of `_pump_releases` and of `stop`, `RELEASE_ROUND_S` apart). A budget of 64 a tick
-# was 64 releases a second in all at `tick_ms` 1000 (a flow of give-backs filled the 4096
-# queue in a minute, then was dropped) and 320 at most in `stop`'s 5 s (review of the change).
+# rounds of `_pump_releases`, planned when one can start something (`_plan_release_round`), and
+# of `stop`, `RELEASE_ROUND_S` apart at most). A budget of 64 a tick was 64 releases a second in
+# all at `tick_ms` 1000 (a flow of give-backs filled the 4096 queue in a minute, then was
+# dropped) and 320 at most in `stop`'s 5 s (review of the change).
 RELEASES_AT_ONCE: Final = 16
 RENEWALS_AT_ONCE: Final = 16
 REQUESTS_STARTED_PER_TICK_MAX: Final = 64
@@ -278,7 +281,8 @@ class PrefetchShell:
         self._releasing_on: Counter[int] = Counter()
         # releases any path may still start (`_start_releases`): `RELEASES_BURST` at most,
         # refilled at `RELEASES_PER_S` on the monotonic clock (this module's `monotonic_ms`);
-        # the one round due while the budget holds releases back (`_pump_releases`)
+        # the one round due next between ticks, when one can start a release (`_pump_releases`,
+        # planned by `_plan_release_round`)
         self._release_budget = TokenBucket.full(RELEASES_PER_S, RELEASES_BURST, monotonic_ms() / 1000)
         self._release_pump: asyncio.TimerHandle | None = None
         self._stopping = False  # `stop` gives the leases back in rounds of its own: no pump
@@ -534,23 +538,24 @@ class PrefetchShell:
             self._keeper.give_back(named, now)
         self._start_releases()
         self._renew_due()
+        self._plan_release_round()  # (a lapse may have queued a release)
 
     def _start_releases(self) -> None:
         """The releases `HintLeases` says may go: as many as the budget holds (`_release_budget`:
         `RELEASES_BURST` at once at most, `RELEASES_PER_S` over time, shared by every call: the
         tick's own, each hint's leases given back between ticks, the pump's and `stop`'s
         rounds) and as many on a shard as leave `RELEASES_AT_ONCE` in flight there, each by its
-        own task with its own deadline. Releases the budget held back are started by a round
-        `RELEASE_ROUND_S` later (`_pump_releases`), not at the next tick (at `tick_ms` 1000 the
-        ticks alone started 64 a second); those held back by their shard's room or a retry's time
-        wait for a later tick. One task gave them back in batches of 16 awaited whole: one release
-        left unanswered held the 15 others of its batch and every one queued behind, and a failed
-        one was never retried (held to its TTL; review of stop 71). Each call had a budget of its
-        own: every hint whose leases went back between two ticks started up to 64 more; then one
-        budget of 64 a tick capped every path at 64 per `tick_ms` (review of the change)."""
+        own task with its own deadline. Those held back are started by a round between ticks
+        (`_plan_release_round`), not at the next tick: by the budget, `RELEASE_ROUND_S` later (at
+        `tick_ms` 1000 the ticks alone started 64 a second); by their shard's room, as soon as a
+        release there ends; a retry, when it comes due. One task gave them back in batches of 16
+        awaited whole: one release left unanswered held the 15 others of its batch and every one
+        queued behind, and a failed one was never retried (held to its TTL; review of stop 71).
+        Each call had a budget of its own: every hint whose leases went back between two ticks
+        started up to 64 more; then one budget of 64 a tick capped every path at 64 per `tick_ms`
+        (review of the change)."""
         now_s = monotonic_ms() / 1000
-        # (whole releases; the epsilon: 20 ms of 3200/s refills 64, not 63.999...)
-        startable = int(self._release_budget.refill(now_s) + 1e-6)
+        startable = self._releases_startable(now_s)
         started = self._keeper.releases(self._now(), limit=startable, shard_room=self._release_room)
         invariant(len(started) <= startable <= RELEASES_BURST, "releases started within the budget")
         self._release_budget.charge(len(started), now_s)
@@ -559,15 +564,46 @@ class PrefetchShell:
             task = asyncio.create_task(self._release(release))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
-        # the budget ran out (all it held was taken) and releases wait that are not in flight:
-        # the next round starts them as it refills (`stop` runs rounds of its own)
-        held_back = self._keeper.releases_pending > len(self._releases)
-        if len(started) == startable and held_back and not self._stopping and self._release_pump is None:
-            self._release_pump = asyncio.get_running_loop().call_later(RELEASE_ROUND_S, self._pump_releases)
+        self._plan_release_round()
+
+    def _releases_startable(self, now_s: float) -> int:
+        """Whole releases the budget holds at `now_s` (the epsilon: 20 ms of 3200/s refills 64,
+        not 63.999...)."""
+        return int(self._release_budget.refill(now_s) + 1e-6)
+
+    def _plan_release_round(self) -> None:
+        """The next round of releases between ticks (`_pump_releases`), due when one can start
+        something: releases waiting with room on their shard (`HintLeases.releases_ready`) at
+        once if the budget holds one, else `RELEASE_ROUND_S` later (it refills); with none,
+        when the first retry comes due (`next_release_retry_ms`); nothing else (no spin). Asked
+        after each round and whenever a release ends (its shard's room freed). An earlier round
+        due already stands; a later one is moved earlier. Only a round the budget cut short was
+        due, and only if more were pending than tasks in the set (finished tasks stay there a
+        loop pass): the releases held back by a shard's room (16 in flight) or a retry's wait,
+        and those the count missed, waited for the next tick (at `tick_ms` 1000 on one shard, 16
+        of 640 started in it; a failed release waited up to 60 s, not 1; review of the change).
+        `stop` runs rounds of its own."""
+        if self._stopping:
+            return
+        now = self._now()
+        if self._keeper.releases_ready(now, self._release_room):
+            # only the budget may hold them back now: a round once it holds one
+            delay_s = 0.0 if self._releases_startable(monotonic_ms() / 1000) else RELEASE_ROUND_S
+        elif (retry_ms := self._keeper.next_release_retry_ms()) is not None:
+            delay_s = max(0, retry_ms - now) / 1000  # (later than now: those due were queued)
+        else:
+            return
+        loop = asyncio.get_running_loop()
+        when = loop.time() + delay_s
+        if self._release_pump is not None:
+            if self._release_pump.when() <= when:
+                return
+            self._release_pump.cancel()
+        self._release_pump = loop.call_at(when, self._pump_releases)
 
     def _pump_releases(self) -> None:
-        """A round of releases between ticks (`_start_releases`), due `RELEASE_ROUND_S` after
-        one the budget cut short; it schedules the next while the budget still binds."""
+        """A round of releases between ticks (`_start_releases`), planned by
+        `_plan_release_round`; it plans the next."""
         self._release_pump = None
         if not self._stopping:
             self._start_releases()
@@ -593,6 +629,8 @@ class PrefetchShell:
             self._releasing_on[release.shard] -= 1
             if not self._releasing_on[release.shard]:
                 del self._releasing_on[release.shard]
+            # its shard's room freed, or a retry queued: the next round, if one can start
+            self._plan_release_round()
 
     def _renew_due(self) -> None:
         """The renewals `HintLeases` says may start (a third of their TTL left, their hint's
@@ -831,7 +869,8 @@ class PrefetchShell:
         `LEASE_TTL_MS_MAX` from now at most), given back like an ended hint's: queued in
         `HintLeases` and started at once within the same bounds (`_start_releases`: each to the
         shard that granted it by its own task and deadline, retried, within its shard's room and
-        what the budget holds (`_release_budget`); the rest in the next round, 20 ms later).
+        what the budget holds (`_release_budget`); the rest in a later round between ticks,
+        `_plan_release_round`).
         They were released inline, one at a time in the hint's reply path, never retried and
         outside the per-shard bound: one hung shard delayed the reply by `request_timeout_s`
         per lease (review of the change, stop 71)."""
