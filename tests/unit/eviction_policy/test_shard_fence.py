@@ -235,6 +235,105 @@ def test_a_marker_or_confirming_adoption_does_not_fence_the_valid_events_read_me
     assert sh._shard_epochs.highest(0) == 5  # the marker read raised it
 
 
+def test_a_marker_read_before_the_gap_adoption_begins_keeps_it_fencing() -> None:
+    """The `_adopt_fences` request is or-ed, not overwritten: after a gap, another shard's marker
+    read before the adopter takes the request (one adoption answers both) must not turn the gap's
+    fencing off; if it did, shard 0's new core (epoch 5, its `shard_started` among the lost
+    events) did not fence its predecessor's late `evicted` of group 1."""
+    sh = tracking_g()
+    sh._router = Handed(epochs={})
+    gap_after_1(sh)
+    sh._on_message(message(12, m.ShardStarted(shard=1, epoch=9), (1, 9)))  # another shard's marker
+    assert sh.last_seq == 12 and sh._adopt_wanted.is_set() and sh._adopt_fences
+    asyncio.run(asyncio.wait_for(run_adopter_until_one_adoption(sh), WAIT_S))
+    assert sh.adoptions == 1 and sh._shard_epochs.highest(0) == 5
+    sh._on_message(late_eviction(13))
+    assert sh.last_seq == 13 and sh.events_fenced == 1
+    assert G in sh.core and sh.core.used_bytes("s1") == 11
+
+
+@pytest.mark.parametrize("how", ["aged_out", "recreated"])
+def test_check_stream_finding_events_lost_asks_for_a_fencing_adoption(how: str) -> None:
+    """`check_stream`, as the follower (re)subscribes, finds events the policy never applied gone
+    (aged out ahead of it, or the stream recreated): among them may be shard 0's new core's
+    `shard_started` (epoch 5), so the adoption that makes up for them raises the fence, and the
+    old core's late `evicted` of group 1 is dropped."""
+    sh = tracking_g()
+    sh._router = Handed(epochs={})
+    if how == "aged_out":
+        assert sh.check_stream(11, 11)  # events 2-10 aged out
+    else:
+        assert not sh.check_stream(1, 1, created="a")  # (the stream's creation time remembered)
+        assert sh.check_stream(1, 1, created="b")  # recreated: its sequences restarted
+    assert sh._adopt_wanted.is_set() and sh._adopt_fences
+    end = sh.last_seq + 1
+    sh._on_message(message(end, published(7, 1), (1, 1)))  # what the stream holds now
+    asyncio.run(asyncio.wait_for(run_adopter_until_one_adoption(sh), WAIT_S))
+    assert sh.adoptions == 1 and sh._shard_epochs.highest(0) == 5
+    sh._on_message(late_eviction(end + 1))
+    assert sh.last_seq == end + 1 and sh.events_fenced == 1
+    assert G in sh.core and sh.core.used_bytes("s1") == 11
+
+
+def test_the_start_adoption_fences() -> None:
+    """A policy as constructed (no adoption state set by hand): its start adoption makes up for
+    whatever the stream lost before it started, so it raises the fence to the epochs the router
+    knows (shard 1's too, which it lists no page of here) and to the pages'; the replaced cores'
+    late events read after it are dropped."""
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.9, low_watermark=0.5), {})
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0, demote=False)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1 << 20), now_ms() - 800)
+    sh._router = Handed(epochs={0: 5, 1: 3})
+    sh.caught_up.set()  # (the follower replayed the stream: empty)
+    asyncio.run(asyncio.wait_for(run_adopter_until_one_adoption(sh), WAIT_S))
+    assert sh.adoptions == 1 and G in sh.core
+    assert sh._shard_epochs.highest(0) == 5 and sh._shard_epochs.highest(1) == 3
+    sh._on_message(late_eviction(1))  # shard 0's old core's
+    sh._on_message(message(2, published(7, 1), (1, 2)))  # shard 1's old core's
+    assert sh.last_seq == 2 and sh.events_fenced == 2
+    assert G in sh.core and len(sh.core) == 1 and sh.core.used_bytes("s1") == 10
+
+
+def test_a_marker_adoption_after_a_gap_adoption_does_not_fence() -> None:
+    """The request's fencing is taken (reset) by the adoption that answers it: after the gap's
+    adoption, a later marker's adoption (another shard's) does not raise the fence. The router has
+    meanwhile learned shard 0's epoch 6, whose marker the follower has yet to read: shard 0's
+    epoch 5 core's events before it are valid and must be applied, not dropped."""
+    sh = tracking_g()
+    sh._router = router = Handed(epochs={})
+    calls: list[bool] = []
+    adopt_listed = sh.adopt_listed
+
+    async def spy(*, fences: bool = False) -> int:
+        calls.append(fences)
+        return await adopt_listed(fences=fences)
+
+    sh.adopt_listed = spy  # type: ignore[method-assign]
+    gap_after_1(sh)
+    asked: list[tuple[bool, bool]] = []  # (wanted, fences) as the marker asked for its adoption
+
+    async def run() -> None:
+        task = asyncio.create_task(sh._adopter())
+        try:
+            while sh.adoptions < 1:  # noqa: ASYNC110 (the adopter changes plain state)
+                await asyncio.sleep(0.005)
+            router.epochs[0] = 6
+            sh._on_message(message(12, m.ShardStarted(shard=1, epoch=9), (1, 9)))
+            asked.append((sh._adopt_wanted.is_set(), sh._adopt_fences))
+            while sh.adoptions < 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    asyncio.run(asyncio.wait_for(run(), WAIT_S))
+    assert asked == [(True, False)] and calls == [True, False] and sh._shard_epochs.highest(0) == 5
+    sh._on_message(message(13, published(3, 100), (0, 5)))  # shard 0's epoch 5 core's, valid
+    assert sh.last_seq == 13 and sh.events_fenced == 0
+    assert sh.core.used_bytes("s1") == 111
+
+
 class Logged:
     """A logger that keeps what it is asked to log: (level, event, fields)."""
 

@@ -55,8 +55,12 @@
   `shard_started`: a handover's drain runs while the lease is released), counted
   `index_events_fenced`, logged `event_fenced` (the first of each shard and epoch: a drained
   outbox's late events come by the thousand; `RoutingIndex`, "fenced"). A gap listing raises
-  that fence to the shard map's epochs it listed under (markers among the lost events unseen),
-  as the router knows them once the pages came (a page may be a newer leader's).
+  that fence to the shard map's epochs it listed under (markers among the lost events unseen):
+  every shard's the router knows once the whole listing came (each at least its pages': a page
+  may be a newer leader's). One past a shard's pages' epoch (the map refreshed during the
+  listing) fences that shard's valid events after the listing too; made up for: `_listed_epochs`
+  keeps the epochs known as the listing began, so `check_leaders` finds the shard moved and
+  lists again, and the newer leader's marker, once read, asks for a listing.
 - A fetch with events that leave at most one more fetch pending (`caught_up`), a fetch that
   answers with none when the stream, asked then, has nothing past the index (`_at_end`: nats-py
   raises the same timeout with the connection down, and a router cut off counted itself
@@ -440,8 +444,11 @@ class IndexFollower:
         started = time.monotonic()
         token, listed_epochs, paged_epochs = await self._list_into_index(at_seq)
         # The leaders' epochs listed fence their predecessors' late events after `at_seq`:
-        # markers among the events lost are not seen (`RoutingIndex`, "fenced"). Those known once
-        # the pages came (`paged_epochs`): a page may be a newer leader's, found on the way.
+        # markers among the events lost are not seen (`RoutingIndex`, "fenced"). Every shard's
+        # known once the whole listing came (`paged_epochs`): a page may be a newer leader's,
+        # found on the way. One past a shard's pages' epoch (the map refreshed during the
+        # listing) fences its valid events too, made up for: `_listed_epochs` are those known as
+        # the listing began, so `check_leaders` lists again (and the newer marker asks for one).
         self.index.fence.raise_to(paged_epochs)
         if not self.index.resync_done(token):
             # Replaced by another listing's view (which `_list_into_index` prevents): listed
@@ -477,7 +484,8 @@ class IndexFollower:
             summaries = await self.router.list_groups(query, self.request_timeout_s, self.listing_pages_max)
             # The pages may come from a newer leader found on the way (a wrong_shard answer, the
             # map asked again): its epoch is the fence's (review, 2026-12-07: the copy above
-            # admitted the late events of the core that leader replaced).
+            # admitted the late events of the core that leader replaced). Every shard's, as
+            # known now: maybe past a shard's pages' epoch (`resync`).
             paged_epochs = dict(self.router.epochs)
         except KvfError:
             self.resync_failures += 1
