@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Final
 
 from kvfabric.format.errors import Indeterminate, NotFound, StaleGeneration, Unavailable
 from kvfabric.proto import directory as m
+from kvfabric.runtime.deadline import cancel_and_wait
 
 if TYPE_CHECKING:
     from kvfabric.cluster.directory_router import DirectoryRouter
@@ -34,6 +35,7 @@ __all__ = ["CONFIRM_LATER_GIVE_UP_MS", "CONFIRM_LATER_RETRY_S", "ShellConfirms"]
 # and a confirm still without one after CONFIRM_LATER_GIVE_UP_MS more frees the slot.
 CONFIRM_LATER_RETRY_S: Final = 0.5
 CONFIRM_LATER_GIVE_UP_MS: Final = 30_000
+LATER_STOP_S: Final = 5.0  # a stop's wait for the cancelled confirms (`_stop_confirming_later`)
 # Refusals that are final: the slot is freed at once (the others are asked again). Not
 # `StaleGeneration`: the leader that issued the ticket was replaced, and its successor adopted
 # this slot from this segment's report (a write of an older epoch is fenced once the successor
@@ -153,9 +155,9 @@ class ShellConfirms:
         if self._later_timer is not None:
             self._later_timer.cancel()
             self._later_timer = None
-        for later in self._later_tasks:
-            later.cancel()
-        await asyncio.gather(*self._later_tasks, return_exceptions=True)
+        # cancelled again while they run (`cancel_and_wait`: 3.11's `wait_for` can swallow one),
+        # for at most `LATER_STOP_S`; what still runs then is the stop watchdog's
+        await cancel_and_wait(list(self._later_tasks), LATER_STOP_S)
 
     async def _confirm_in_background(self, items: list[tuple[m.WriteTicket, int, int, str]]) -> None:
         """Confirm receipted writes until the directory gives each a verdict: `ok` keeps the slot

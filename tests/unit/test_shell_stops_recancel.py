@@ -1,0 +1,61 @@
+"""A service shell's `stop` cancels its tasks again while they run (`cancel_and_wait`), for a
+bounded time: Python 3.11's `asyncio.wait_for` can swallow a cancellation that lands in the same
+loop iteration as the awaited result, and the task runs on. The eviction policy, repair and
+segment shells cancelled once and then waited with a bare `gather`: a task that swallowed the
+cancel (the eviction policy's adopter waits on an event with `wait_for`) held `stop` for good
+(review, 2026-12-07)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kvfabric.core.eviction import EvictionConfig, EvictionCore
+from kvfabric.core.repair import RepairConfig, RepairCore
+from kvfabric.eviction_policy.shell import EvictionShell
+from kvfabric.repair.shell import RepairShell
+
+
+def swallows_one_cancel(cancels: list[int]) -> Any:
+    """A task body that swallows the first cancellation (as a `wait_for` whose result landed with
+    it does) and ends at the second; left alone it would wait 60 s more."""
+
+    async def body() -> None:
+        while True:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancels.append(1)
+                if len(cancels) > 1:
+                    raise
+
+    return body()
+
+
+def eviction_shell() -> Any:
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.9, low_watermark=0.5), {})
+    return EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0, demote=False)
+
+
+def repair_shell() -> Any:
+    return RepairShell(
+        RepairCore(RepairConfig()),
+        replicas_target=3,
+        scan_ms=1000,
+        tick_ms=100,
+        request_timeout_s=1.0,
+        copy_timeout_s=1.0,
+    )
+
+
+@pytest.mark.parametrize("make", [eviction_shell, repair_shell], ids=["eviction_policy", "repair"])
+async def test_stop_cancels_again_a_task_that_swallowed_its_cancel(make: Any) -> None:
+    shell = make()
+    cancels: list[int] = []
+    task = asyncio.create_task(swallows_one_cancel(cancels))
+    await asyncio.sleep(0)  # (running: inside its sleep)
+    shell._tasks.append(task)
+    await asyncio.wait_for(shell.stop(), 10)  # a bare gather after one cancel: ~60 s, then more
+    assert task.cancelled() and len(cancels) == 2
