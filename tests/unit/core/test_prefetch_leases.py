@@ -446,6 +446,34 @@ def test_releases_ready_counts_what_a_round_could_start_and_the_next_retry_is_kn
     keeper.check_invariants()
 
 
+def test_ready_on_a_shard_and_a_capped_count_do_not_walk_every_shard() -> None:
+    """When a release ends the shell asks only of its shard (`ready_on`: a release queued there,
+    the retries due requeued first), and after a round counts a batch at most (`at_most`: the
+    walk stops there); asking `releases_ready` of every shard per release ended was quadratic
+    (review of the change)."""
+    keeper = HintLeases(LeaseKeeping(retry_ms=1_000))
+    for shard in range(100):
+        keeper.keep(("t", f"h{shard}"), [(shard, 100 + shard), (shard, 200 + shard)], 30_000, now_ms=0)
+    for named in list(keeper.held):
+        keeper.give_back(named, 1_000)
+    asked: list[int] = []
+
+    def room(shard: int) -> int:
+        asked.append(shard)
+        return 1
+
+    assert keeper.releases_ready(1_000, room, at_most=16) == 16 and len(asked) == 16
+    assert keeper.releases_ready(1_000, room) == 100 and keeper.releases_ready(1_000, at_most=500) == 200
+    started = keeper.releases(1_000, shard_room=room)  # one a shard: each shard's second waits
+    assert len(started) == 100 and keeper.ready_on(7, 1_000) and not keeper.ready_on(100, 1_000)
+    keeper.releases(1_000)  # every second one started
+    assert not keeper.ready_on(7, 1_000)
+    keeper.release_failed(started[7].lease, 1_000)  # shard 7's first: sent again at 2 000
+    assert not keeper.ready_on(7, 1_999) and keeper.ready_on(7, 2_000)  # the retry requeued
+    assert keeper.next_release_retry_ms() is None
+    keeper.check_invariants()
+
+
 def test_the_release_queue_is_bounded_and_expired_leases_are_not_released() -> None:
     keeper = HintLeases(LeaseKeeping(release_queue_max=10))
     for i in range(15):

@@ -8,12 +8,15 @@
   releases a second in all (a flow of give-backs filled the queue, then was dropped) and 320 at
   most in `stop`'s 5 s. Now one token bucket on the monotonic clock, 64 at once and 3200 a
   second whatever `tick_ms` is, shared by every path; what it holds back is started by a round
-  20 ms later, none lost. Releases held back by their shard's room (16 in flight) or a retry's
+  once it refilled a batch (16: 5 ms; a round per token, every release ended walking every
+  shard, was quadratic), none lost. Releases held back by their shard's room (16 in flight) or a retry's
   wait are started by a round as soon as one can start (a release there ends; the retry is due):
   they waited for the next tick (at `tick_ms` 1000 on one shard, 16 of 640 started in the
   tick's second; a failed release was sent again at the next tick, up to 60 s later, not 1 s).
   And the round the budget cut short was due only if more releases were pending than tasks in
-  the shell's set, which holds finished tasks a loop pass longer: 13 of 80 waited a tick.
+  the shell's set, which holds finished tasks a loop pass longer: 13 of 80 waited a tick. A
+  retry's round behind a wall clock held after a step back came every ~1 ms; an earlier hint of
+  a name accepted again waited for the next tick.
 - Renewal errors: every error but `not_found` was taken as "maybe granted" (the lease then
   released held to the expiry asked). An error the directory answers before any effect (a
   refusal: bad_request, unauthorized, busy, rate_limited, quota_exceeded) was not granted: the
@@ -43,8 +46,9 @@ from kvfabric.format.errors import (
 from kvfabric.prefetch import shell as shell_module
 from kvfabric.prefetch.shell import PrefetchShell
 from kvfabric.proto import directory as m
+from kvfabric.proto import prefetch as p
 from tests.unit.prefetch.test_lease_renewal import Directory
-from tests.unit.prefetch.test_shell_shards import NOW, FakeRouter, make_shell
+from tests.unit.prefetch.test_shell_shards import NOW, FakeRouter, make_shell, spread_prefix
 
 PER_TICK = shell_module.REQUESTS_STARTED_PER_TICK_MAX
 BURST = shell_module.RELEASES_BURST  # 64 at once
@@ -512,3 +516,145 @@ def test_a_lapse_at_a_long_tick_is_released_in_that_tick(monkeypatch: pytest.Mon
 
     assert asyncio.run(scenario()) == [LEASE]
     assert shell.status().counters["leases_lost_total"] == 1
+
+
+def test_releases_over_many_shards_start_in_batches_not_a_round_per_release(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`tick_ms` 1000: 1,024 leases given back over 1,024 shards, answered at once, the budget
+    binding (64 at once, 3200 a second). Every release ended walked every shard
+    (`releases_ready`) and a round was due as soon as the budget held one token (every 0.31 ms):
+    a round per release, each walking every shard again, quadratic (4,096 over 4,096: 2.8 s of
+    CPU, the loop held 230 ms). Now a release ended asks of its shard alone, and a round waits
+    for a batch of the budget (`RELEASE_ROUND_BATCH`): ~1 + 960 / 16 rounds, each lease once."""
+    _, directory, _, shell = setup(monkeypatch, fake_monotonic=False)
+    shell.tick_ms = 1000
+    leases = [(shard, 9_000 + shard) for shard in range(1024)]
+    for lease in leases:
+        directory.expiry[lease] = NOW + 30_000
+    rounds = record_calls(shell)
+    counted: list[int] = []
+    releases_ready = shell._keeper.releases_ready
+
+    def ready(*args: Any, **kwargs: Any) -> int:
+        counted.append(1)
+        return releases_ready(*args, **kwargs)
+
+    monkeypatch.setattr(shell._keeper, "releases_ready", ready)
+
+    async def scenario() -> None:
+        shell._give_back_leases(leases, NOW + 30_000)
+        for _ in range(500):  # up to 5 s (0.3 s at the rate)
+            if not shell._keeper.releases_pending:
+                break
+            await asyncio.sleep(0.01)
+        await shell.stop()
+
+    asyncio.run(scenario())
+    assert sorted(directory.released) == sorted(leases)
+    assert len(rounds) <= len(leases) // 8, len(rounds)  # (a round per release: ~960)
+    assert len(counted) <= 2 * len(rounds) + 4, (len(counted), len(rounds))  # not per release
+
+
+def test_a_retry_never_reached_by_a_held_wall_clock_is_not_polled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tick_ms` 60000: a release fails at once (sent again 1 s later, by the wall clock); at
+    999 ms the wall clock steps back 10 s, and the shell's clock holds (never earlier than a
+    time it gave). The retry's round found it 1 ms ahead each time and came again 1 ms later:
+    ~900 rounds a second. Now one `RELEASE_ROUND_S` apart at most: ~50."""
+    clock, directory, router, shell = setup(monkeypatch, fake_monotonic=False)
+    shell.tick_ms = 60_000
+    directory.expiry[LEASE] = NOW + 30_000
+    router.release_errors = [Unavailable("no responders")]
+    calls = record_calls(shell)
+
+    async def scenario() -> int:
+        shell._give_back_leases([LEASE], NOW + 30_000)
+        await settle()  # failed at NOW: sent again at NOW + 1000
+        clock["ms"] = NOW + 999
+        shell._plan_release_round()  # (any event planning meanwhile)
+        await asyncio.sleep(0.002)
+        before = len(calls)
+        clock["ms"] = NOW - 10_000  # the step back: the shell's clock holds at NOW + 999
+        await asyncio.sleep(0.5)
+        rounds = len(calls) - before
+        assert [lease for _, lease in router.sent] == [LEASE]  # its retry not due yet
+        clock["ms"] = NOW + 1_000  # the wall clock past the shell's: the retry due
+        await shell.stop()
+        return rounds
+
+    rounds = asyncio.run(scenario())
+    assert rounds <= 35, rounds  # ~25 in 0.5 s (it was ~450)
+    assert directory.released == [LEASE]
+
+
+def test_an_earlier_hint_of_a_name_given_back_is_released_before_the_next_tick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`tick_ms` 60000: a hint accepted, then cancelled (its leases not yet collected: a tick
+    does that), then a hint of the same name accepted: the earlier hint's leases go back then
+    (`give_back`) and are started at once, not at the next tick (up to 60 s later)."""
+    clock, directory, _, shell = setup(monkeypatch)
+    shell.tick_ms = 60_000
+
+    def hint() -> p.PrefetchHint:
+        return p.PrefetchHint(
+            hint_id="h1", tenant="t", groups=spread_prefix(), target_segment="s2", deadline_ms=NOW + 120_000
+        )
+
+    async def scenario() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        first = await shell._on_hint(hint(), {})
+        assert first.status == "accepted" and first.objects_queued > 0  # type: ignore[attr-defined]
+        earlier = list(shell._leases[("t", "h1")])
+        assert shell.core.cancel_hint("h1", "t")
+        await settle()
+        assert directory.released == []  # (until a tick collects them)
+        clock["ms"] += 100
+        second = await shell._on_hint(hint(), {})
+        assert second.status == "accepted"  # type: ignore[attr-defined]
+        for _ in range(20):
+            if len(directory.released) >= len(earlier):
+                break
+            await asyncio.sleep(0.01)
+        released = list(directory.released)
+        await shell.stop()
+        return earlier, released
+
+    earlier, released = asyncio.run(scenario())
+    assert earlier and sorted(released) == sorted(earlier)
+
+
+def test_a_release_ended_on_a_full_shard_moves_a_later_retry_round_earlier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`tick_ms` 60000, one shard, 18 leases given back: the first release fails at once (sent
+    again 1 s later: a round due then), the next 16 go unanswered (the shard's room full), the
+    18th waits for room. All 16 are answered at 0.3 s: the 18th starts then, the retry's round
+    moved earlier, not at 1 s (a round due was never moved earlier, so it waited for it)."""
+    _, directory, router, shell = setup(monkeypatch, fake_monotonic=False)
+    began_wall = time.monotonic()
+    monkeypatch.setattr(shell_module, "now_ms", lambda: NOW + round((time.monotonic() - began_wall) * 1000))
+    shell.tick_ms = 60_000
+    shell.request_timeout_s = 10.0  # (the unanswered ones are not timed out meanwhile)
+    leases = [(0, 500 + i) for i in range(18)]
+    for lease in leases:
+        directory.expiry[lease] = NOW + 30_000
+    router.release_errors = [Unavailable("no responders")]
+
+    async def scenario() -> float:
+        router.hold = asyncio.Event()
+        began = asyncio.get_running_loop().time()
+        shell._give_back_leases(leases, NOW + 30_000)
+        await asyncio.sleep(0.3)
+        assert [lease for _, lease in router.sent] == leases[:17]  # the 18th: no room
+        router.hold.set()  # the 16 answered: their shard's room frees
+        for _ in range(200):
+            if len(directory.released) == len(leases):
+                break
+            await asyncio.sleep(0.01)
+        await shell.stop()
+        return began
+
+    began = asyncio.run(scenario())
+    sent_at = {lease: at - began for at, lease in router.sent}
+    assert sent_at[leases[17]] < 0.7, sent_at[leases[17]]  # at ~0.3 s, not the retry's 1 s
+    assert sorted(directory.released) == sorted(leases)

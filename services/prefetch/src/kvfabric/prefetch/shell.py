@@ -40,19 +40,20 @@
   leave `RENEWALS_AT_ONCE` / `RELEASES_AT_ONCE` of them in flight there: a task is created only
   for a request sent at once (tasks = requests in flight); the rest wait in `HintLeases`:
   renewals for a later tick, earliest expiry first; releases, first queued first, for a round
-  between ticks planned as soon as one can start (`_plan_release_round`: the budget refilled,
-  `RELEASE_ROUND_S` later; a release ended on its shard; a retry due), not for the next tick (up
-  to 60 s: one shard started 16 of 640 in a 1 s tick). Each release has its own deadline
-  (`request_timeout_s` + `RELEASE_DEADLINE_SLACK_S`); a failed one is sent again 1 s later, at
-  most 3 sends in all and never past its lease's expiry; at most `RELEASES_QUEUED_MAX` queued,
-  more left to expire. The leases no hint keeps (a lookup's outside its hit, those of a hint that
-  queued nothing, was busy or refused, or whose dedupe found no live hint) go
-  through the same queue (`_give_back_leases`): they were released inline, one at a time in the
-  hint's reply path and never retried, one hung shard delaying the reply by `request_timeout_s`
-  per lease (review of the change, stop 71). A lease whose hint ends while its renewal is in
-  flight, or after a renewal whose answer was lost (a timeout: the directory may have granted
-  it), is released with the expiry asked, not its old one, and one whose renewals fail until
-  its old expiry is then released, not dropped (it may still be held; review of the change).
+  between ticks planned as soon as one can start (`_plan_release_round`: the budget refilled a
+  batch, `RELEASE_ROUND_BATCH`; a release ended on its shard, one queued there; a retry due),
+  not for the next tick (up to 60 s: one shard started 16 of 640 in a 1 s tick). Each release
+  has its own deadline (`request_timeout_s` + `RELEASE_DEADLINE_SLACK_S`); a failed one is sent
+  again 1 s later, at most 3 sends in all and never past its lease's expiry; at most
+  `RELEASES_QUEUED_MAX` queued, more left to expire. The leases no hint keeps (a lookup's
+  outside its hit, those of a hint that queued nothing, was busy or refused, or whose dedupe
+  found no live hint) go through the same queue (`_give_back_leases`): they were released
+  inline, one at a time in the hint's reply path and never retried, one hung shard delaying the
+  reply by `request_timeout_s` per lease (review of the change, stop 71). A lease whose hint
+  ends while its renewal is in flight, or after a renewal whose answer was lost (a timeout: the
+  directory may have granted it), is released with the expiry asked, not its old one, and one
+  whose renewals fail until its old expiry is then released, not dropped (it may still be held;
+  review of the change).
   A renewal refused before any effect (`RENEW_REFUSALS`: bad_request, unauthorized, busy,
   rate_limited, quota_exceeded) was not granted: retried the same, but its lease keeps its old
   expiry (it was taken as maybe granted, as a timeout is: at worst an extra release).
@@ -196,6 +197,9 @@ REQUESTS_STARTED_PER_TICK_MAX: Final = 64
 RELEASES_BURST: Final = REQUESTS_STARTED_PER_TICK_MAX  # started at once at most (a full bucket)
 RELEASE_ROUND_S: Final = 0.02  # a burst's refill: 64 per 20 ms, one tick's worth at the default
 RELEASES_PER_S: Final = round(RELEASES_BURST / RELEASE_ROUND_S)  # 3200
+# a round between ticks the budget holds back waits until it holds this many (or as many as
+# wait): one round per token (every 0.31 ms) walked every shard each (review of the change)
+RELEASE_ROUND_BATCH: Final = RELEASES_AT_ONCE
 RELEASES_QUEUED_MAX: Final = 4096  # more ended leases than this waiting: left to expire (counted)
 RELEASE_ATTEMPTS_MAX: Final = 3
 RELEASE_DEADLINE_SLACK_S: Final = 0.5  # a release's deadline: the request's timeout and this
@@ -430,9 +434,12 @@ class PrefetchShell:
         assert isinstance(result, Accepted | Deduped | Busy | Refused)
         named = (hint.tenant, hint.hint_id)
         if isinstance(result, Accepted) and result.objects_queued:
-            # Accepted: any earlier hint of this name has ended, its leases not yet collected
+            # Accepted: any earlier hint of this name has ended, its leases not yet collected:
+            # given back now, started at once (`_start_releases`; they waited for the next tick,
+            # up to 60 s; review of the change)
             self._keeper.give_back(named, self._now())
             self._keeper.keep(named, leases, held_until, self._now(), may_last)
+            self._start_releases()
         elif isinstance(result, Deduped) and self.core.has_hint(hint.hint_id, hint.tenant):
             # Joined a live hint under this name (or a retry of it): its leases stay until this
             # name ends, so the hint holds leases while any of its names is live. They went back
@@ -546,11 +553,12 @@ class PrefetchShell:
         tick's own, each hint's leases given back between ticks, the pump's and `stop`'s
         rounds) and as many on a shard as leave `RELEASES_AT_ONCE` in flight there, each by its
         own task with its own deadline. Those held back are started by a round between ticks
-        (`_plan_release_round`), not at the next tick: by the budget, `RELEASE_ROUND_S` later (at
-        `tick_ms` 1000 the ticks alone started 64 a second); by their shard's room, as soon as a
-        release there ends; a retry, when it comes due. One task gave them back in batches of 16
-        awaited whole: one release left unanswered held the 15 others of its batch and every one
-        queued behind, and a failed one was never retried (held to its TTL; review of stop 71).
+        (`_plan_release_round`), not at the next tick: by the budget, once it refilled a batch
+        (`RELEASE_ROUND_BATCH`; at `tick_ms` 1000 the ticks alone started 64 a second); by their
+        shard's room, as soon as a release there ends; a retry, when it comes due. One task gave
+        them back in batches of 16 awaited whole: one release left unanswered held the 15 others
+        of its batch and every one queued behind, and a failed one was never retried (held to its
+        TTL; review of stop 71).
         Each call had a budget of its own: every hint whose leases went back between two ticks
         started up to 64 more; then one budget of 64 a tick capped every path at 64 per `tick_ms`
         (review of the change)."""
@@ -571,34 +579,53 @@ class PrefetchShell:
         not 63.999...)."""
         return int(self._release_budget.refill(now_s) + 1e-6)
 
-    def _plan_release_round(self) -> None:
+    def _plan_release_round(self, ended_on: int | None = None) -> None:
         """The next round of releases between ticks (`_pump_releases`), due when one can start
-        something: releases waiting with room on their shard (`HintLeases.releases_ready`) at
-        once if the budget holds one, else `RELEASE_ROUND_S` later (it refills); with none,
-        when the first retry comes due (`next_release_retry_ms`); nothing else (no spin). Asked
-        after each round and whenever a release ends (its shard's room freed). An earlier round
-        due already stands; a later one is moved earlier. Only a round the budget cut short was
-        due, and only if more were pending than tasks in the set (finished tasks stay there a
-        loop pass): the releases held back by a shard's room (16 in flight) or a retry's wait,
-        and those the count missed, waited for the next tick (at `tick_ms` 1000 on one shard, 16
-        of 640 started in it; a failed release waited up to 60 s, not 1; review of the change).
-        `stop` runs rounds of its own."""
+        something: releases waiting with room on their shard (`HintLeases.releases_ready`,
+        counted up to a batch, `RELEASE_ROUND_BATCH`) once the budget holds that batch (or as
+        many as wait, if fewer); with none, when the first retry comes due
+        (`next_release_retry_ms`), `RELEASE_ROUND_S` from now at the earliest; nothing else (no
+        spin). Asked after each round, and whenever a release ends (`ended_on`, its shard: its
+        room freed, or a retry queued), then only of that shard (`HintLeases.ready_on`; a round
+        already due within `RELEASE_ROUND_S` stands, the budget's batch not cut short). A round
+        already due at once stands (it plans the next); a later one is moved earlier. Only a
+        round the budget cut short was due, and only if more were pending than tasks in the set
+        (finished tasks stay there a loop pass): the releases held back by a shard's room (16 in
+        flight) or a retry's wait, and those the count missed, waited for the next tick (at
+        `tick_ms` 1000 on one shard, 16 of 640 started in it; a failed release waited up to 60 s,
+        not 1). Then every release ended walked every shard, and a round was due at once
+        whenever the budget held one token (refilled every 0.31 ms): a round per release, each
+        walking every shard (4,096 leases on as many shards: 2.8 s of CPU, the loop held 230
+        ms); and a retry's round, its wall-clock time not reached while the wall clock held after
+        a step back, was due every ~1 ms (review of the change). `stop` runs rounds of its own."""
         if self._stopping:
             return
+        loop = asyncio.get_running_loop()
+        pending = self._release_pump
+        if pending is not None and pending.when() <= loop.time():
+            return  # due at once already: it plans the next
         now = self._now()
-        if self._keeper.releases_ready(now, self._release_room):
-            # only the budget may hold them back now: a round once it holds one
-            delay_s = 0.0 if self._releases_startable(monotonic_ms() / 1000) else RELEASE_ROUND_S
+        if ended_on is None:
+            ready = self._keeper.releases_ready(now, self._release_room, at_most=RELEASE_ROUND_BATCH)
+        elif pending is not None and pending.when() <= loop.time() + RELEASE_ROUND_S:
+            return  # a round soon stands (a release ended must not cut the budget's batch short)
+        else:  # its room just freed: one can start there if one is queued
+            ready = 1 if self._keeper.ready_on(ended_on, now) else 0
+        if ready:
+            # (whole tokens: the budget's clock is read in whole ms, hence the ms more)
+            lack = min(ready, RELEASE_ROUND_BATCH) - self._release_budget.refill(monotonic_ms() / 1000)
+            delay_s = 0.0 if lack <= 1e-6 else lack / RELEASES_PER_S + 0.001
         elif (retry_ms := self._keeper.next_release_retry_ms()) is not None:
-            delay_s = max(0, retry_ms - now) / 1000  # (later than now: those due were queued)
+            # (later than now: those due were queued; the floor: a wall clock held after a step
+            # back never reaches it)
+            delay_s = max(RELEASE_ROUND_S, (retry_ms - now) / 1000)
         else:
             return
-        loop = asyncio.get_running_loop()
         when = loop.time() + delay_s
-        if self._release_pump is not None:
-            if self._release_pump.when() <= when:
+        if pending is not None:
+            if pending.when() <= when:
                 return
-            self._release_pump.cancel()
+            pending.cancel()
         self._release_pump = loop.call_at(when, self._pump_releases)
 
     def _pump_releases(self) -> None:
@@ -629,8 +656,8 @@ class PrefetchShell:
             self._releasing_on[release.shard] -= 1
             if not self._releasing_on[release.shard]:
                 del self._releasing_on[release.shard]
-            # its shard's room freed, or a retry queued: the next round, if one can start
-            self._plan_release_round()
+            # its shard's room freed, or a retry queued: the next round, if one can start there
+            self._plan_release_round(ended_on=release.shard)
 
     def _renew_due(self) -> None:
         """The renewals `HintLeases` says may start (a third of their TTL left, their hint's
