@@ -1,7 +1,7 @@
 """A service shell's `stop` cancels its tasks again while they run (`cancel_and_wait`), for a
 bounded time: Python 3.11's `asyncio.wait_for` can swallow a cancellation that lands in the same
-loop iteration as the awaited result, and the task runs on. The eviction policy, repair and
-segment shells cancelled once and then waited with a bare `gather`: a task that swallowed the
+loop iteration as the awaited result, and the task runs on. The eviction policy, repair,
+prefetch and segment shells cancelled once and then waited with a bare `gather`: a task that swallowed the
 cancel (the eviction policy's adopter waits on an event with `wait_for`) held `stop` for good
 (review, 2026-12-07)."""
 
@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 
 from kvfabric.core.eviction import EvictionConfig, EvictionCore
+from kvfabric.core.prefetch import PrefetchConfig, PrefetchCore
 from kvfabric.core.repair import RepairConfig, RepairCore
 from kvfabric.eviction_policy.shell import EvictionShell
+from kvfabric.prefetch.shell import PrefetchShell
 from kvfabric.repair.shell import RepairShell
 
 
@@ -50,7 +52,22 @@ def repair_shell() -> Any:
     )
 
 
-@pytest.mark.parametrize("make", [eviction_shell, repair_shell], ids=["eviction_policy", "repair"])
+def prefetch_shell() -> Any:
+    return PrefetchShell(
+        PrefetchCore(PrefetchConfig()),
+        holder_id="prefetch-test",
+        tick_ms=10,
+        scan_ms=10,
+        resolving_max=4,
+        hot_groups_per_event_max=8,
+        request_timeout_s=1.0,
+        copy_timeout_s=1.0,
+    )
+
+
+@pytest.mark.parametrize(
+    "make", [eviction_shell, repair_shell, prefetch_shell], ids=["eviction_policy", "repair", "prefetch"]
+)
 async def test_stop_cancels_again_a_task_that_swallowed_its_cancel(make: Any) -> None:
     shell = make()
     cancels: list[int] = []

@@ -154,6 +154,7 @@ from kvfabric.proto import prefetch as p
 from kvfabric.proto.segment import tier_of_slot
 from kvfabric.proto.subjects import Service, check_segment_id, event_subject
 from kvfabric.runtime.core_driver import CoreDriver
+from kvfabric.runtime.deadline import cancel_and_wait
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 from kvfabric.runtime.ticker import every
@@ -206,6 +207,10 @@ RELEASE_DEADLINE_SLACK_S: Final = 0.5  # a release's deadline: the request's tim
 # One tenant's hints resolved at once: at most resolving_max // this (at least one)
 RESOLVING_TENANT_SHARE_DIVISOR: Final = 4
 RELEASE_STOP_S: Final = 5.0
+# A stop's cancelled tasks get this long, cancelled again meanwhile (`cancel_and_wait`: Python
+# 3.11's `wait_for` can swallow a cancel); what still runs is logged and left to the runtime's
+# stop watchdog (a bare `gather` after one cancel could wait for good).
+TASKS_STOP_S: Final = 5.0
 # Errors the directory answers to a `lease_renew` before it has any effect (the request is
 # malformed or not allowed, or refused for load before its handler ran): the renewal was not
 # granted, the lease keeps its expiry. Every other failure (`indeterminate`: a timeout or a
@@ -325,9 +330,9 @@ class PrefetchShell:
     async def stop(self) -> None:
         await self._driver.stop()
         renewing = list(self._renewals)
-        for task in [*self._tasks, *self._copies, *renewing]:
-            task.cancel()
-        await asyncio.gather(*self._tasks, *self._copies, *renewing, return_exceptions=True)
+        stuck = await cancel_and_wait([*self._tasks, *self._copies, *renewing], TASKS_STOP_S)
+        if stuck:
+            self._log.warning("stop_tasks_left", tasks=sorted(task.get_name() for task in stuck))
         # Every lease given back, as the ticker would (bounded per shard and round, retried), for
         # at most RELEASE_STOP_S: the rest expire on their own.
         self._stopping = True
