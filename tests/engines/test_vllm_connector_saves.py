@@ -312,7 +312,7 @@ class FakeSaveClient:
     """Records `save_async` calls (objects, and a future the test finishes); real save memory
     (none with `save_memory=False`: the worker gathers blocks into plain copies)."""
 
-    def __init__(self, inflight_bytes: int, *, save_memory: bool = True) -> None:
+    def __init__(self, inflight_bytes: int, *, save_memory: bool = True, track_handed: bool = False) -> None:
         from kvfabric.client.save_memory import SaveMemoryRegistry
 
         self.settings = SimpleNamespace(
@@ -329,8 +329,11 @@ class FakeSaveClient:
         self.enabled = True
         self.has_save_memory = save_memory
         # Other saves handed to the client's loop and not ended there, and their bytes, as a test
-        # sets them (the saves this fake records are not counted): the real client's rule on
-        # them, `handed_refusal`, refuses a save in the caller's thread (`queue_full`, `bytes`).
+        # sets them (the saves this fake records are not counted, unless `track_handed`: then
+        # each is counted from its hand-off until its future is done, as the real client counts
+        # them): the real client's rule on them, `handed_refusal`, refuses a save in the
+        # caller's thread (`queue_full`, `bytes`).
+        self.track_handed = track_handed
         self.handed_saves = 0
         self.handed_bytes = 0
         self.refusal_asks: list[tuple[int, bool]] = []
@@ -368,7 +371,8 @@ class FakeSaveClient:
         trace_id: str | None = None,
         **_: Any,
     ) -> Any:
-        refused = self._refusal(sum(o.nbytes for row in objects for o in row), rate_taken)
+        nbytes = sum(o.nbytes for row in objects for o in row)
+        refused = self._refusal(nbytes, rate_taken)
         if refused is not None:  # as the client: done at once, counted, the buffers given back
             self.metrics.saves_dropped.labels(refused).inc()
             done: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -378,7 +382,15 @@ class FakeSaveClient:
         self.saved_for.append(trace_id)  # the request id: the connector's trace id
         future: concurrent.futures.Future[Any] | None = None if self.drop else concurrent.futures.Future()
         self.saves.append((objects, future))
+        if self.track_handed and future is not None:
+            self.handed_saves += 1
+            self.handed_bytes += nbytes
+            future.add_done_callback(lambda _: self._ended(nbytes))
         return future
+
+    def _ended(self, nbytes: int) -> None:
+        self.handed_saves -= 1
+        self.handed_bytes -= nbytes
 
     def close(self) -> None:
         self.save_memory_registry.close()
@@ -398,7 +410,7 @@ def test_the_worker_gathers_blocks_into_save_memory_and_gives_slots_back(engine_
     connector.client.close()
     layers = [torch.arange(6 * 64, dtype=torch.float32).reshape(6, 64) + 1000 * i for i in range(2)]
     object_bytes = sum(layer[0].numel() * 4 for layer in layers)
-    client = FakeSaveClient(inflight_bytes=3 * object_bytes)  # three slots
+    client = FakeSaveClient(inflight_bytes=4 * object_bytes)  # four slots; a save of two blocks at most
     connector.client = client  # type: ignore[assignment]
     connector.register_kv_caches({f"layer{i}": kv for i, kv in enumerate(layers)})
 
@@ -418,9 +430,11 @@ def test_the_worker_gathers_blocks_into_save_memory_and_gives_slots_back(engine_
         registry = client.save_memory_registry
         assert all(registry.staged(o[0]) is not None for o in objects)  # in save memory
         slots = connector._save_slots
-        assert isinstance(slots, SaveSlots) and slots.free() == 1
+        assert isinstance(slots, SaveSlots) and slots.free() == 2
+        save([5])
+        assert slots.free() == 1
         save([2, 3])  # one slot left: the second block is gathered elsewhere
-        (second, _) = client.saves[1]
+        (second, _) = client.saves[2]
         assert registry.staged(second[0][0]) is not None and registry.staged(second[1][0]) is None
         assert bytes(second[1][0]) == expected(3)
         assert future is not None
@@ -538,10 +552,12 @@ def test_a_save_the_client_would_refuse_is_not_copied_and_takes_no_rate(
     """A save the client would refuse in the engine's thread (`save_async_refusal`: its handed
     saves at `saves_queued_max`, or their bytes with this one's past `save_inflight_bytes_max`)
     is not copied out of vLLM's cache: every block was copied and then refused, the copying spent
-    exactly when the client was overloaded. Refused whatever its size (`queue_full`), it takes no
-    rate either; refused for the blocks the rate covered (`bytes`, beside a save handed), nothing
-    is copied. Counted as the client counts a refused save, its request cut under that cause; a
-    save whose covered blocks fit is copied and saved."""
+    exactly when the client was overloaded. Asked before the rate is taken, for the save's blocks
+    under the cap: refused whatever its size (`queue_full`), or because its blocks do not fit
+    beside a save handed (`bytes`, though one block would), it takes no rate (asked after the take,
+    a refused save had spent the rate of every block) and nothing is copied. Counted as the client
+    counts a refused save, its request cut under that cause; a save whose blocks fit is copied and
+    saved, as far as the rate covers it."""
     import numpy as np
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -579,12 +595,14 @@ def test_a_save_the_client_would_refuse_is_not_copied_and_takes_no_rate(
         # One save handed, with room for two more blocks beside it: one block fits, three not.
         client.handed_saves, client.handed_bytes = 1, bound - 2 * object_bytes
         save("r2", [1, 2, 3])
-        assert copies == [] and client.saves == []
-        assert client.refusal_asks[-2:] == [(object_bytes, True), (3 * object_bytes, True)]
+        assert copies == [] and client.saves == [] and client.rate_asks == []  # no rate taken
+        assert client.refusal_asks[-1] == (3 * object_bytes, True)
         assert dropped_saves(client, "bytes") == 1 and connector._cut_cause("r2") == "bytes"
+        client.handed_bytes = bound - 4 * object_bytes  # room for four
         client.rate_admits = 2
-        save("r3", [1, 2, 3, 4])  # the rate covers two blocks: they fit
-        assert client.refusal_asks[-1] == (2 * object_bytes, True)
+        save("r3", [1, 2, 3, 4])  # they fit; the rate covers two of them
+        assert client.refusal_asks[-1] == (4 * object_bytes, True)
+        assert client.rate_asks == [[object_bytes] * 4]
         assert len(copies) == 2 and len(client.saves) == 1 and client.saved_for == ["r3"]
         assert dropped_saves(client, "bytes") == 1
     finally:
@@ -598,8 +616,9 @@ def test_a_save_past_the_clients_bytes_bound_by_itself_saves_the_prefix_that_fit
     """The client refuses any save past `save_inflight_bytes_max`, alone or not (the loop's
     `save_admission`; the rate taken, `save_async` itself): a long prefill (8192 tokens of 2 MiB
     blocks, 1 GiB, against the default 512 MiB) was copied out whole and refused, every time, so
-    long prompts were never saved. Now only the leading blocks that fit are copied and saved (a
-    prefix: each keeps its head), the rest counted `save_failures_total{cause="bytes"}`, and the
+    long prompts were never saved. Now only the leading blocks that fit in half the bound (the
+    cap, as HF's parts and SGLang's batches) are copied and saved (a prefix: each keeps its
+    head), the rest counted `save_failures_total{cause="bytes"}`, and the
     request is cut under `bytes`: a later step's blocks would follow the gap. A block past the
     bound by itself is not copied at all (`saves_dropped_total{cause="bytes"}`)."""
     import numpy as np
@@ -612,7 +631,7 @@ def test_a_save_past_the_clients_bytes_bound_by_itself_saves_the_prefix_that_fit
     connector.client.close()
     layers = [torch.arange(8 * 64, dtype=torch.float32).reshape(8, 64) + 1000 * i for i in range(2)]
     object_bytes = sum(layer[0].numel() * 4 for layer in layers)
-    client = FakeSaveClient(inflight_bytes=3 * object_bytes + object_bytes // 2, save_memory=False)
+    client = FakeSaveClient(inflight_bytes=7 * object_bytes + object_bytes // 2, save_memory=False)
     connector.client = client  # type: ignore[assignment]
     connector.register_kv_caches({f"layer{i}": kv for i, kv in enumerate(layers)})
     copies: list[int] = []
@@ -637,7 +656,7 @@ def test_a_save_past_the_clients_bytes_bound_by_itself_saves_the_prefix_that_fit
         return float(value or 0.0)
 
     try:
-        save("r1", 0, [1, 2, 3, 4, 5])  # 5 blocks, room for 3 and a half
+        save("r1", 0, [1, 2, 3, 4, 5])  # 5 blocks, the cap (half the bound) 3 and three quarters
         assert client.rate_asks == [[object_bytes] * 3]  # the rate asked for those that fit only
         assert len(copies) == 3  # no block past them copied
         ((objects, _),) = client.saves
@@ -656,6 +675,49 @@ def test_a_save_past_the_clients_bytes_bound_by_itself_saves_the_prefix_that_fit
         save("r3", 0, [1, 2])
         assert len(client.saves) == 2 and len(copies) == 6 and len(client.rate_asks) == 2
         assert dropped_saves(client, "bytes") == 2 and connector._cut_cause("r3") == "bytes"
+    finally:
+        client.saves.clear()
+        objects = []
+        connector.shutdown()
+
+
+def test_a_capped_prefix_save_leaves_room_for_another_requests_save(engine_config: Any) -> None:
+    """A long prefill's save is capped at half of `save_inflight_bytes_max`, not the whole bound:
+    capped at the whole bound (8192 tokens of 2 MiB blocks: 512 MiB), the prefix, while handed,
+    left no room beside it, so every other request's save was refused `bytes` in the engine's
+    thread and its request cut for good. With the client counting the saves handed and their
+    bytes (as `handed_refusal` does), another request's save is handed beside the capped prefix
+    and its request is not cut."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfabric.engines.vllm_connector import KvfabricConnector, KvfabricMetadata, SaveSpec
+
+    connector = KvfabricConnector(engine_config, KVConnectorRole.WORKER, kv_cache_config=None)
+    connector.client.close()
+    layers = [torch.arange(12 * 64, dtype=torch.float32).reshape(12, 64) + 1000 * i for i in range(2)]
+    object_bytes = sum(layer[0].numel() * 4 for layer in layers)
+    client = FakeSaveClient(inflight_bytes=8 * object_bytes, save_memory=False, track_handed=True)
+    connector.client = client  # type: ignore[assignment]
+    connector.register_kv_caches({f"layer{i}": kv for i, kv in enumerate(layers)})
+
+    def save(req: str, blocks: list[int]) -> None:
+        meta = KvfabricMetadata(saves=[SaveSpec(req, list(range(BLOCK * len(blocks))), 0, blocks)])
+        connector.bind_connector_metadata(meta)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+
+    try:
+        save("long", list(range(1, 11)))  # ten blocks, the bound eight: four saved (half)
+        ((objects, long_future),) = client.saves
+        assert len(objects) == 4 and connector._cut_cause("long") == "bytes"
+        assert client.handed_saves == 1 and client.handed_bytes == 4 * object_bytes
+        save("short", [11])  # while the prefix is handed
+        assert client.saved_for == ["long", "short"] and connector._cut_cause("short") is None
+        assert dropped_saves(client, "bytes") == 0
+        assert long_future is not None
+        long_future.set_result(None)
+        assert client.handed_saves == 1 and client.handed_bytes == object_bytes
     finally:
         client.saves.clear()
         objects = []

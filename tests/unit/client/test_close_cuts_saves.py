@@ -265,16 +265,29 @@ def test_close_waits_for_a_commit_sent_before_it_cut_the_save() -> None:
     `save_timeout_ms`): its commit is at the directory when close cuts the saves, answered just
     after, within its deadline. Close held only what was sent after the cut: it drained NATS
     under the commit, which reached the directory after `close` returned. Now it waits for the
-    saves it cut: the save ends committed before the drain."""
-    timeout_s = 0.5
+    saves it cut: the save ends committed before the drain.
+
+    The writes' end is tied to close's progress, not to when the save began writing: they
+    return 1.5 `save_timeout_ms` into close's second wait for saves (it begins, one
+    `save_timeout_ms` in, by shutting the save executor down), so the commit goes half a
+    `save_timeout_ms` before the cut and its deadline is half a `save_timeout_ms` past it (the
+    commit must be sent before the cut, and be held past it within its deadline: that window is
+    one `save_timeout_ms` wide whatever the test does, and the test sits in its middle)."""
+    timeout_s = 1.0
     router = Watching(commit_until_cut=True)
     kv, nats = watched(router, timeout_s)
     writing = threading.Event()
     write_many = kv.pool.write_many
+    second_wait: list[bool] = []  # whether the writes saw close's second wait begin
 
     def late(*args: Any, **kwargs: Any) -> Any:
         writing.set()
-        time.sleep(2.5 * timeout_s)  # (a save thread) its commit then goes before the cut
+        executor: Any = kv._save_executor
+        give_up = time.monotonic() + 10 * timeout_s
+        while not executor._shutdown and time.monotonic() < give_up:  # close's second wait began
+            time.sleep(0.005)
+        second_wait.append(bool(executor._shutdown))
+        time.sleep(1.5 * timeout_s)  # (a save thread) its commit then goes before the cut
         return write_many(*args, **kwargs)
 
     kv.pool.write_many = late  # type: ignore[method-assign]
@@ -287,6 +300,7 @@ def test_close_waits_for_a_commit_sent_before_it_cut_the_save() -> None:
         return await save, at_close
 
     result, at_close = asyncio.run(run())
+    assert second_wait == [True]  # the writes waited for close (not given up at their bound)
     assert router.cut_at_commit == [False] * shards_begun(router)  # sent before the cut
     assert nats.requests_at_drain == at_close == len(router.requests)
     assert result.chunks_saved == CHUNKS

@@ -47,13 +47,14 @@ group of full attention layers (sliding window, hybrid) runs the client disabled
   cache (so vLLM may free them at once) and saves asynchronously; not a save whose chunks
   attended over a block reported as a load error (another request's, shared through vLLM's
   prefix cache, included), nor one the client would refuse at once (its bounds on saves handed
-  and their bytes, `KvClient.save_async_refusal`: dropped before any block is copied; advisory,
-  so a save refused once its rate was taken, by the check after the take or by the client
-  deciding again, has spent that rate), and never raising into vLLM's step (a save that raises
-  is dropped). Of one save, only the leading blocks that fit in `save_inflight_bytes_max` are
-  copied and saved (the client refuses any save past it, alone or not: a long prefill was
-  copied whole and refused every time); the rest are counted `bytes` and the request is cut, as
-  by a partial save: it saves nothing more.
+  and their bytes, `KvClient.save_async_refusal`, asked before the save rate is taken: dropped
+  before any block is copied or any rate taken; advisory, so a save the client refuses when
+  deciding again has spent its rate), and never raising into vLLM's step (a save that raises
+  is dropped). Of one save, only the leading blocks that fit in half of
+  `save_inflight_bytes_max` are copied and saved (as HF's parts and SGLang's batches: the
+  client refuses any save past the bound, alone or not, and a save of the whole bound left no
+  room for any other request's save while it ran); the rest are counted `bytes` and the
+  request is cut, as by a partial save: it saves nothing more.
 - **Failed loads recompute under vLLM's default settings.** vLLM recomputes reported blocks only
   under `kv_load_failure_policy="recompute"`; its default, "fail", fails the request. The
   scheduler-side connector sets the policy to "recompute" when it is built (vLLM 0.32 builds it
@@ -1016,27 +1017,31 @@ class KvfabricConnector(KVConnectorBase_V1):
             self.client.metrics.saves_dropped.labels(self.client.off_cause()).inc()
             self._cut_request(save.req_id, CAUSE_DROPPED)
             return
+        # One save's blocks are capped at half of `save_inflight_bytes_max` (whole blocks, at
+        # least one; as HF's parts and SGLang's batches): the loop refuses any save past the
+        # bound by itself (`save_admission`), so a long prefill (8192 tokens of 2 MiB blocks:
+        # 1 GiB, the bound 512 MiB) was refused every time and its prompt never saved; and a
+        # prefix capped at the whole bound, while handed, left no room beside it: every other
+        # request's save was refused `bytes`, and so cut for good. Its leading blocks under the
+        # cap are saved (a prefix: each keeps its head), the rest are not copied, counted
+        # `bytes`, and the request is cut under `bytes`, as a save that left a chunk unstored
+        # cuts it: its later steps' blocks would follow a gap.
+        fits = max(1, self.client.settings.save_inflight_bytes_max // 2 // object_bytes)
+        capped = min(len(block_ids), fits)
         # A save the client would refuse at once (`save_async_refusal`: as many saves handed
         # and not ended as it queues, or their bytes with this one's past its bound, or this
         # one's alone: the rate taken, the loop refuses any save past the bound) is not copied:
         # it was copied out whole and then refused, the copying spent exactly when the client
-        # is overloaded. Asked first for one block (no save of it could be handed: the rate is
-        # not taken for it), then for the blocks the rate covers. Advisory: `save_async` (or
-        # the loop) decides again, and a save refused there is dropped as before.
-        if self._refused(save.req_id, object_bytes):
+        # is overloaded. Asked for the capped blocks before the rate is taken (asked after, a
+        # save refused had spent the rate of every block it asked for), so a refused save takes
+        # no rate and copies nothing. Advisory: `save_async` (or the loop) decides again, and a
+        # save refused there is dropped as before.
+        if self._refused(save.req_id, object_bytes * capped):
             return
-        # One save's blocks past `save_inflight_bytes_max` by themselves: the loop refuses any
-        # such save (`save_admission`), so a long prefill (8192 tokens of 2 MiB blocks: 1 GiB,
-        # the bound 512 MiB) was refused every time and its prompt never saved. Its leading
-        # blocks that fit are saved (a prefix: each keeps its head), the rest are not copied,
-        # counted `bytes`, and the request is cut under `bytes`, as a save that left a chunk
-        # unstored cuts it: its later steps' blocks would follow a gap. (At least one fits:
-        # one block past the bound was refused just above.)
-        fits = max(1, self.client.settings.save_inflight_bytes_max // object_bytes)
-        if len(block_ids) > fits:
+        if len(block_ids) > capped:
             self._cut_request(save.req_id, SAVE_BYTES)
-            self.client.metrics.save_failures.labels(SAVE_BYTES).inc(len(block_ids) - fits)
-            block_ids = block_ids[:fits]
+            self.client.metrics.save_failures.labels(SAVE_BYTES).inc(len(block_ids) - capped)
+            block_ids = block_ids[:capped]
         admitted = self.client.take_save_rate([object_bytes] * len(block_ids))
         if admitted < len(block_ids):
             self._cut_request(save.req_id, SAVE_RATE)
@@ -1045,8 +1050,6 @@ class KvfabricConnector(KVConnectorBase_V1):
                 return
             self.client.metrics.save_failures.labels(SAVE_RATE).inc(len(block_ids) - admitted)
             block_ids = block_ids[:admitted]
-        if len(block_ids) > 1 and self._refused(save.req_id, object_bytes * len(block_ids)):
-            return  # (the rate taken for them spent: the refusal is advisory, after the take)
         # Copies: the client owns them, vLLM may reuse the blocks as soon as we return. Into
         # save memory while it has a free slot (given back when the save is done), else
         # into memory of their own.
