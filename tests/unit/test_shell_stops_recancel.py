@@ -1,9 +1,10 @@
-"""A service shell's `stop` cancels its tasks again while they run (`cancel_and_wait`), for a
-bounded time: Python 3.11's `asyncio.wait_for` can swallow a cancellation that lands in the same
-loop iteration as the awaited result, and the task runs on. The eviction policy, repair,
-prefetch and segment shells cancelled once and then waited with a bare `gather`: a task that swallowed the
-cancel (the eviction policy's adopter waits on an event with `wait_for`) held `stop` for good
-(review, 2026-12-07)."""
+"""A service shell's `stop` cancels its tasks again while they run, for a bounded time
+(`kvfabric.runtime.deadline.stop_tasks`): Python 3.11's `asyncio.wait_for` can swallow a
+cancellation that lands in the same loop iteration as the awaited result, and the task runs on.
+The eviction policy, repair, prefetch and segment shells cancelled once and then waited with a
+bare `gather`: a task that swallowed the cancel (the eviction policy's adopter waits on an event
+with `wait_for`) held `stop` for good (review, 2026-12-07). The segment shell calls the same
+`stop_tasks` (its stop is tested through the helper here)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kvfabric.core.repair import RepairConfig, RepairCore
 from kvfabric.eviction_policy.shell import EvictionShell
 from kvfabric.prefetch.shell import PrefetchShell
 from kvfabric.repair.shell import RepairShell
+from kvfabric.runtime.deadline import stop_tasks
 
 
 def swallows_one_cancel(cancels: list[int]) -> Any:
@@ -76,3 +78,32 @@ async def test_stop_cancels_again_a_task_that_swallowed_its_cancel(make: Any) ->
     shell._tasks.append(task)
     await asyncio.wait_for(shell.stop(), 10)  # a bare gather after one cancel: ~60 s, then more
     assert task.cancelled() and len(cancels) == 2
+
+
+class Logged:
+    def __init__(self) -> None:
+        self.warnings: list[tuple[str, dict[str, Any]]] = []
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self.warnings.append((event, fields))
+
+
+async def test_stop_tasks_leaves_a_task_that_swallows_every_cancel_and_names_it() -> None:
+    cancels: list[int] = []
+
+    async def never_ends() -> None:
+        while len(cancels) < 1000:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancels.append(1)
+
+    task = asyncio.create_task(never_ends(), name="stubborn")
+    await asyncio.sleep(0)
+    log = Logged()
+    stuck = await asyncio.wait_for(stop_tasks([task], log, timeout_s=0.5), 10)
+    assert stuck == {task} and len(cancels) >= 2  # cancelled again, not once
+    assert log.warnings == [("stop_tasks_left", {"tasks": ["stubborn"]})]
+    cancels.extend([1] * 1000)  # (let it end)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

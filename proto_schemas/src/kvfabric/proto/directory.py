@@ -49,6 +49,14 @@ with the shards it leads; callers assemble and cache the map
 `wrong_shard`. `register`, `heartbeat` and the listings go to every instance; their replies
 cover the shards that instance leads.
 
+## Events
+Events go to the JetStream stream `KVF_DIRECTORY_EVENTS` (subjects
+`kvf.v1.events.directory.<kind>`). Each event a shard's core publishes carries the NATS header
+`Kvf-Shard-Epoch: <shard>.<epoch>` (`SHARD_EPOCH_HEADER`; built by `shard_epoch_header`, read by
+`shard_epoch_of`): its core's epoch when the event was queued. A follower drops an event whose
+epoch is below the highest it has seen for that shard (a replaced core's late publication,
+`ShardStarted`); an event without the header (an older directory's) is applied unfenced.
+
 Not split (over 600 lines): one tagged union per message family (docs/design.md, house style),
 decoded by one typed `Decoder`; the file is the directory's wire schema, message by message.
 """

@@ -179,7 +179,7 @@ from kvfabric.proto.codec import encode
 from kvfabric.proto.segment import DemoteObject, DemoteReply, DemoteRequest, segment_decoder, tier_of_slot
 from kvfabric.proto.subjects import Service, endpoint_subject, events_wildcard, segment_subject
 from kvfabric.runtime.core_driver import CoreDriver
-from kvfabric.runtime.deadline import cancel_and_wait
+from kvfabric.runtime.deadline import stop_tasks
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 from kvfabric.runtime.ticker import every
@@ -201,10 +201,6 @@ ROOM_WRITER_MIN_BYTES_PER_S: Final = 1 << 20
 ROOM_WRITER_SUSTAINED_MS: Final = 2_000
 ROOM_MS_MAX: Final = 3_600_000
 RETRY_S: Final = 0.5
-# A stop's cancelled tasks get this long, cancelled again meanwhile (`cancel_and_wait`: Python
-# 3.11's `wait_for` can swallow a cancel); what still runs is logged and left to the runtime's
-# stop watchdog (a bare `gather` after one cancel could wait for good).
-TASKS_STOP_S: Final = 5.0
 DEMOTE_PAUSE_MS: Final = 30_000  # a segment's demotion after a demote request got no answer
 FOLLOW_RETRY_S_MAX: Final = 15.0  # the event follower's backoff, doubling from RETRY_S
 ADOPT_PAGE_GROUPS: Final = 1_000  # groups per `list_groups` page when adopting a listing
@@ -373,9 +369,7 @@ class EvictionShell(GroupRecords):
 
     async def stop(self) -> None:
         await self._driver.stop()
-        stuck = await cancel_and_wait(self._tasks, TASKS_STOP_S)
-        if stuck:
-            self._log.warning("stop_tasks_left", tasks=sorted(task.get_name() for task in stuck))
+        await stop_tasks(self._tasks, self._log)
 
     # ---- events ------------------------------------------------------------------------------
 

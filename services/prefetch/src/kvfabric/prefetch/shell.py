@@ -154,7 +154,7 @@ from kvfabric.proto import prefetch as p
 from kvfabric.proto.segment import tier_of_slot
 from kvfabric.proto.subjects import Service, check_segment_id, event_subject
 from kvfabric.runtime.core_driver import CoreDriver
-from kvfabric.runtime.deadline import cancel_and_wait
+from kvfabric.runtime.deadline import stop_tasks
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 from kvfabric.runtime.ticker import every
@@ -207,10 +207,6 @@ RELEASE_DEADLINE_SLACK_S: Final = 0.5  # a release's deadline: the request's tim
 # One tenant's hints resolved at once: at most resolving_max // this (at least one)
 RESOLVING_TENANT_SHARE_DIVISOR: Final = 4
 RELEASE_STOP_S: Final = 5.0
-# A stop's cancelled tasks get this long, cancelled again meanwhile (`cancel_and_wait`: Python
-# 3.11's `wait_for` can swallow a cancel); what still runs is logged and left to the runtime's
-# stop watchdog (a bare `gather` after one cancel could wait for good).
-TASKS_STOP_S: Final = 5.0
 # Errors the directory answers to a `lease_renew` before it has any effect (the request is
 # malformed or not allowed, or refused for load before its handler ran): the renewal was not
 # granted, the lease keeps its expiry. Every other failure (`indeterminate`: a timeout or a
@@ -330,9 +326,7 @@ class PrefetchShell:
     async def stop(self) -> None:
         await self._driver.stop()
         renewing = list(self._renewals)
-        stuck = await cancel_and_wait([*self._tasks, *self._copies, *renewing], TASKS_STOP_S)
-        if stuck:
-            self._log.warning("stop_tasks_left", tasks=sorted(task.get_name() for task in stuck))
+        await stop_tasks([*self._tasks, *self._copies, *renewing], self._log)
         # Every lease given back, as the ticker would (bounded per shard and round, retried), for
         # at most RELEASE_STOP_S: the rest expire on their own.
         self._stopping = True
@@ -354,10 +348,7 @@ class PrefetchShell:
                 await asyncio.wait(set(self._releases), timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
             else:  # only retries waiting
                 await asyncio.sleep(wait_s)
-        releasing = list(self._releases)
-        for task in releasing:
-            task.cancel()
-        await asyncio.gather(*releasing, return_exceptions=True)
+        await stop_tasks(list(self._releases), self._log)
 
     # ---- hints -------------------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ from kvfabric.format.ids import ObjectKey, domain_in_id, pack_group_id, pack_obj
 from kvfabric.proto import directory as m
 from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_decoder
 from kvfabric.runtime.core_driver import CoreDriver
-from kvfabric.runtime.deadline import cancel_and_wait
+from kvfabric.runtime.deadline import stop_tasks
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 from kvfabric.runtime.ticker import every
@@ -64,10 +64,6 @@ def now_ms() -> int:
 LIST_PAGE: Final = 1000
 SCAN_PAGES_MAX: Final = 10_000  # ≤ 10 M groups per scan (all shards): a bound, not a target
 WRITER_ID: Final = "repair"
-# A stop's cancelled tasks get this long, cancelled again meanwhile (`cancel_and_wait`: Python
-# 3.11's `wait_for` can swallow a cancel); what still runs is logged and left to the runtime's
-# stop watchdog (a bare `gather` after one cancel could wait for good).
-TASKS_STOP_S: Final = 5.0
 DRAINS_COMPLETE_KEPT: Final = 1_024  # segments whose drain completed, in `status` (latest last)
 
 
@@ -131,9 +127,7 @@ class RepairShell:
     async def stop(self) -> None:
         await self._driver.stop()
         copies = list(self._copies.values())
-        stuck = await cancel_and_wait([*self._tasks, *copies], TASKS_STOP_S)
-        if stuck:
-            self._log.warning("stop_tasks_left", tasks=sorted(task.get_name() for task in stuck))
+        await stop_tasks([*self._tasks, *copies], self._log)
 
     # ---- scan --------------------------------------------------------------------------------
 

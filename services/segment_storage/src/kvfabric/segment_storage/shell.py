@@ -78,7 +78,7 @@ from kvfabric.proto.segment import (
     VerifyRequest,
     segment_decoder,
 )
-from kvfabric.runtime.deadline import cancel_and_wait
+from kvfabric.runtime.deadline import stop_tasks
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 from kvfabric.segment_storage.arena import Arena, lock_segment_id, remove_stale_arenas, unlock_segment_id
@@ -102,10 +102,6 @@ __all__ = ["EXIT_REREGISTER", "SegmentShell", "new_incarnation"]
 EXIT_REREGISTER: Final = 75
 # At stop, how long the disk tier waits for demotion threads still writing before its files close
 # (a write batch takes milliseconds to a few seconds; within the service's stop deadline).
-# A stop's cancelled tasks get this long, cancelled again meanwhile (`cancel_and_wait`: Python
-# 3.11's `wait_for` can swallow a cancel); what still runs is logged and left to the runtime's
-# stop watchdog (a bare `gather` after one cancel could wait for good).
-TASKS_STOP_S: Final = 5.0
 DEMOTE_STOP_WAIT_S: Final = 5.0
 
 
@@ -314,9 +310,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
         )
 
     async def stop(self) -> None:
-        stuck = await cancel_and_wait(self._tasks, TASKS_STOP_S)
-        if stuck:
-            self._log.warning("stop_tasks_left", tasks=sorted(task.get_name() for task in stuck))
+        await stop_tasks(self._tasks, self._log)
         await self._stop_confirming_later()  # none may start or run once the arena closes below
         await self.suspects.stop()
         # A copy still running holds only its slot (aborted when its fetch fails) and views of
