@@ -20,6 +20,7 @@ from kvfabric.eviction_policy.shell import EvictionShell
 from kvfabric.prefetch.shell import PrefetchShell
 from kvfabric.repair.shell import RepairShell
 from kvfabric.runtime.deadline import stop_tasks
+from kvfabric.testing.logs import RecordingLog
 
 
 def swallows_one_cancel(cancels: list[int]) -> Any:
@@ -80,14 +81,6 @@ async def test_stop_cancels_again_a_task_that_swallowed_its_cancel(make: Any) ->
     assert task.cancelled() and len(cancels) == 2
 
 
-class Logged:
-    def __init__(self) -> None:
-        self.warnings: list[tuple[str, dict[str, Any]]] = []
-
-    def warning(self, event: str, **fields: Any) -> None:
-        self.warnings.append((event, fields))
-
-
 async def test_stop_tasks_leaves_a_task_that_swallows_every_cancel_and_names_it() -> None:
     cancels: list[int] = []
 
@@ -100,10 +93,10 @@ async def test_stop_tasks_leaves_a_task_that_swallows_every_cancel_and_names_it(
 
     task = asyncio.create_task(never_ends(), name="stubborn")
     await asyncio.sleep(0)
-    log = Logged()
+    log = RecordingLog()
     stuck = await asyncio.wait_for(stop_tasks([task], log, timeout_s=0.5), 10)
     assert stuck == {task} and len(cancels) >= 2  # cancelled again, not once
-    assert log.warnings == [("stop_tasks_left", {"tasks": ["stubborn"]})]
+    assert log.lines == [("warning", "stop_tasks_left", {"tasks": ["stubborn"]})]
     cancels.extend([1] * 1000)  # (let it end)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)

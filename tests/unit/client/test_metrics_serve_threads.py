@@ -8,7 +8,6 @@ meanwhile bound a port still held (EADDRINUSE). Now one lock is held across all 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -17,6 +16,7 @@ import pytest
 from kvfabric.client import metrics as client_metrics
 from kvfabric.client.metrics import ClientMetrics
 from kvfabric.cluster.metrics_http import MetricsServer
+from kvfabric.testing.ports import free_port
 from kvfabric.testing.probes import scrape_metrics_once_served
 
 SLOW_S = 0.3  # a bind or a stop that takes this long (a loaded host), the other thread meanwhile
@@ -75,18 +75,12 @@ def test_two_threads_serving_at_once_make_one_server(monkeypatch: pytest.MonkeyP
     assert not any(server.running for server in made)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def test_serving_while_another_thread_stops_waits_for_the_port(monkeypatch: pytest.MonkeyPatch) -> None:
     """The replaced client's close stops the server while the newest client serves it again on
     the same fixed port: the serve waits for the stop to let the port go, then binds it."""
     made, stopping = _slow_servers(monkeypatch)
     metrics = ClientMetrics()
-    port = metrics.serve(_free_port())
+    port = metrics.serve(free_port())
     stopper = threading.Thread(target=metrics.stop)
     try:
         stopper.start()

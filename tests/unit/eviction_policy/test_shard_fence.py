@@ -25,6 +25,7 @@ from kvfabric.eviction_policy.shell import EvictionShell, now_ms
 from kvfabric.format.ids import ChainHash, DomainDigest, Namespace
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
+from kvfabric.testing.logs import RecordingLog
 from tests.unit.eviction_policy.test_adoption import Listing, run_adopter_until_one_adoption, summary
 
 NAMESPACE = Namespace(bytes(4) + b"A" * 16 + bytes(34))
@@ -334,16 +335,6 @@ def test_a_marker_adoption_after_a_gap_adoption_does_not_fence() -> None:
     assert sh.core.used_bytes("s1") == 111
 
 
-class Logged:
-    """A logger that keeps what it is asked to log: (level, event, fields)."""
-
-    def __init__(self) -> None:
-        self.lines: list[tuple[str, str, dict[str, Any]]] = []
-
-    def __getattr__(self, level: str) -> Any:
-        return lambda event, **fields: self.lines.append((level, event, fields))
-
-
 def test_a_replaced_cores_late_events_are_logged_once_for_each_shard_and_epoch() -> None:
     """A drained outbox puts a thousand or two late events of one core in the stream: each one
     logged at info flooded the log. The first of each (shard, epoch) is logged, the rest
@@ -351,7 +342,7 @@ def test_a_replaced_cores_late_events_are_logged_once_for_each_shard_and_epoch()
     core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.9, low_watermark=0.5), {})
     sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
     sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1 << 20), 0)
-    logged = Logged()
+    logged = RecordingLog()
     sh._log = cast(Any, logged)
     origins = [(0, 5), *[(0, 4)] * 50, (1, 7), *[(1, 6)] * 20, *[(0, 3)] * 5, (0, 4), (1, 2)]
     for seq, origin in enumerate(origins, start=1):

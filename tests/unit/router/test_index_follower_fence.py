@@ -22,6 +22,7 @@ from kvfabric.format.ids import ChainHash, pack_group_key
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.router.settings import load_router_settings
+from kvfabric.testing.logs import RecordingLog
 from tests.unit.router.test_index_follower_batches import DOMAIN, follower_of, published
 from tests.unit.router.test_settings_refit import ENV, scrape
 
@@ -171,23 +172,13 @@ def test_a_gap_listing_fences_by_the_leaders_that_answered_its_pages() -> None:
     assert follower._listed_epochs == {0: 4}
 
 
-class Logged:
-    """A logger that keeps what it is asked to log: (level, event, fields)."""
-
-    def __init__(self) -> None:
-        self.lines: list[tuple[str, str, dict[str, Any]]] = []
-
-    def __getattr__(self, level: str) -> Any:
-        return lambda event, **fields: self.lines.append((level, event, fields))
-
-
 def test_a_replaced_cores_late_events_are_logged_once_for_each_shard_and_epoch() -> None:
     """A drained outbox puts a thousand or two late events of one core in the stream: each one
     logged at info flooded the log. The first of each (shard, epoch) is logged, the rest
     counted."""
     index = synced_index()
     follower = follower_of(index)
-    logged = Logged()
+    logged = RecordingLog()
     follower._log = cast(Any, logged)
     origins = [(0, 5), *[(0, 4)] * 50, (1, 7), *[(1, 6)] * 20, *[(0, 3)] * 5, (0, 4), (1, 2)]
     batch = [
