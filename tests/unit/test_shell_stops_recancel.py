@@ -100,3 +100,14 @@ async def test_stop_tasks_leaves_a_task_that_swallows_every_cancel_and_names_it(
     cancels.extend([1] * 1000)  # (let it end)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_prefetch_stop_cancels_again_a_release_that_swallowed_its_cancel() -> None:
+    """Its releases at stop (after the rounds) went the same way: one cancel, a bare gather."""
+    shell = prefetch_shell()
+    cancels: list[int] = []
+    task = asyncio.create_task(swallows_one_cancel(cancels))
+    await asyncio.sleep(0)
+    shell._releases.add(task)
+    await asyncio.wait_for(shell.stop(), 10)
+    assert task.cancelled() and len(cancels) == 2

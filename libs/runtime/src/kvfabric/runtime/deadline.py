@@ -11,6 +11,9 @@ in its stop path is alive but serves nothing, and no supervisor restarts a live 
   raising when the cancel and that result land in the same loop iteration (a NATS request whose
   reply arrived: likely when the loop is flooded), and the cancelled task runs on. The second
   cancel comes `RECANCEL_FIRST_S` later (a task still cleaning up gets that long), then doubling.
+- `stop_tasks(tasks, log)`: a service shell's stop of its tasks: `cancel_and_wait` for
+  `TASKS_STOP_S` (5 s), then a `stop_tasks_left` warning naming those still running (left to
+  the watchdog). One cancel then a bare `gather` waited for good on a swallowed cancel.
 - `StopWatchdog`: a daemon thread that runs even while the event loop is wedged. Armed when a
   stop is requested (`ServiceRuntime.request_stop`); when its deadline passes it calls
   `exit_now(EXIT_STOP_OVERRUN, "stop_overran")`. It is never disarmed by a service's own stop:

@@ -350,15 +350,16 @@ class EvictionShell(GroupRecords):
         self._router = DirectoryRouter(nc)
         self._started_ms = self._driver.now_ms() - 1
         self._tasks = [
-            asyncio.create_task(self._follow()),
-            asyncio.create_task(self._adopter()),
+            asyncio.create_task(self._follow(), name="eviction-follow"),
+            asyncio.create_task(self._adopter(), name="eviction-adopter"),
             asyncio.create_task(
-                every(self.segments_refresh_ms / 1000, self._refresh_segments, self._refresh_failed)
+                every(self.segments_refresh_ms / 1000, self._refresh_segments, self._refresh_failed),
+                name="eviction-segments-refresh",
             ),
-            asyncio.create_task(self._ticker()),
+            asyncio.create_task(self._ticker(), name="eviction-ticker"),
         ]
         if self.admission_publish_ms:
-            self._tasks.append(asyncio.create_task(self._publish_admission()))
+            self._tasks.append(asyncio.create_task(self._publish_admission(), name="eviction-admission"))
         if self._runtime is not None:
             for task, name in zip(
                 self._tasks,

@@ -316,7 +316,11 @@ class PrefetchShell:
             pending_bytes_limit=ACCESSED_PENDING_BYTES_MAX,
         )
         ticker = self._driver.start_ticker(Tick(), self.tick_ms, then=self._release_ended)
-        self._tasks = [asyncio.create_task(every(self.scan_ms / 1000, self.scan, self._scan_failed))]
+        self._tasks = [
+            asyncio.create_task(
+                every(self.scan_ms / 1000, self.scan, self._scan_failed), name="prefetch-scan"
+            )
+        ]
         # A scan loop or ticker that dies of an exception (a bug) stops the service, which is
         # restarted (they died silently; review, 2026-12-05).
         if self._runtime is not None:
@@ -521,7 +525,7 @@ class PrefetchShell:
     async def _perform(self, effect: PrefetchOutput) -> None:
         """One effect of `Tick` (StartCopy) or `CopyFinished` (PublishReplica, ReleaseCopy)."""
         if isinstance(effect, StartCopy):
-            task = asyncio.create_task(self._copy(effect))
+            task = asyncio.create_task(self._copy(effect), name="prefetch-copy")
             self._copies.add(task)
             task.add_done_callback(self._copies.discard)
         elif isinstance(effect, ReleaseCopy) and effect.reason == "unwanted":
@@ -565,7 +569,7 @@ class PrefetchShell:
         self._release_budget.charge(len(started), now_s)
         for release in started:
             self._releasing_on[release.shard] += 1
-            task = asyncio.create_task(self._release(release))
+            task = asyncio.create_task(self._release(release), name=f"prefetch-release-{release.shard}")
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
         self._plan_release_round()
@@ -669,7 +673,7 @@ class PrefetchShell:
             self._now(), self._hint_deadline, limit=REQUESTS_STARTED_PER_TICK_MAX, shard_room=self._renew_room
         ):
             self._renewing_on[renewal.shard] += 1
-            task = asyncio.create_task(self._renew(renewal))
+            task = asyncio.create_task(self._renew(renewal), name=f"prefetch-renew-{renewal.shard}")
             self._renewals.add(task)
             task.add_done_callback(self._renewals.discard)
 

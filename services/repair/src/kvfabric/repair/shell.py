@@ -115,7 +115,9 @@ class RepairShell:
 
     async def start(self, nc: NatsClient) -> None:
         self._router = DirectoryRouter(nc)
-        self._tasks = [asyncio.create_task(every(self.scan_ms / 1000, self.scan, self._scan_failed))]
+        self._tasks = [
+            asyncio.create_task(every(self.scan_ms / 1000, self.scan, self._scan_failed), name="repair-scan")
+        ]
         ticker = self._driver.start_ticker(Tick(), self.tick_ms)
         # A scan loop or ticker that dies of an exception (not a KvfError: a bug) stops the
         # service, which is restarted: they died silently, the service answering $SRV.PING
@@ -265,7 +267,7 @@ class RepairShell:
             assert isinstance(effect.object_id, bytes)
             copy_id, key = effect.copy_id, effect.object_id
             of_key = self._of_key.setdefault(key, set())
-            task = asyncio.create_task(self._copy(effect, frozenset(of_key)))
+            task = asyncio.create_task(self._copy(effect, frozenset(of_key)), name="repair-copy")
             self._copies[copy_id] = task
             of_key.add(task)
             task.add_done_callback(lambda done: self._copy_ended(copy_id, key, done))
