@@ -353,6 +353,9 @@ class FakeSaveClient:
         self.refusal_asks.append((nbytes, rate_taken))
         return self._refusal(nbytes, rate_taken)
 
+    def peek_save_rate(self, chunk_sizes: list[int]) -> int:
+        return len(chunk_sizes) if self.rate_admits is None else min(self.rate_admits, len(chunk_sizes))
+
     def take_save_rate(self, chunk_sizes: list[int]) -> int:
         self.rate_asks.append(list(chunk_sizes))
         return len(chunk_sizes) if self.rate_admits is None else min(self.rate_admits, len(chunk_sizes))
@@ -601,10 +604,18 @@ def test_a_save_the_client_would_refuse_is_not_copied_and_takes_no_rate(
         client.handed_bytes = bound - 4 * object_bytes  # room for four
         client.rate_admits = 2
         save("r3", [1, 2, 3, 4])  # they fit; the rate covers two of them
-        assert client.refusal_asks[-1] == (4 * object_bytes, True)
+        assert client.refusal_asks[-1] == (2 * object_bytes, True)  # (those the rate covers)
         assert client.rate_asks == [[object_bytes] * 4]
         assert len(copies) == 2 and len(client.saves) == 1 and client.saved_for == ["r3"]
         assert dropped_saves(client, "bytes") == 1
+        # Room for two beside the saves handed, the rate covering two of four: the two it covers
+        # are asked about (they fit) and saved, the request cut under `save_rate` only (asked
+        # about all four, the save was refused `bytes` and its request cut).
+        client.handed_bytes = bound - 2 * object_bytes
+        save("r4", [1, 2, 3, 4])
+        assert client.refusal_asks[-1] == (2 * object_bytes, True)
+        assert len(copies) == 4 and client.saved_for == ["r3", "r4"]
+        assert dropped_saves(client, "bytes") == 1 and connector._cut_cause("r4") == "save_rate"
     finally:
         client.saves.clear()
         connector.shutdown()

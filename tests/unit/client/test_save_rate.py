@@ -192,3 +192,15 @@ def test_no_rate_by_default() -> None:
 
     assert asyncio.run(run()) == [CHUNKS] * 5
     assert kv.take_save_rate([1 << 40] * 3) == 3
+
+
+def test_peeking_at_the_save_rate_says_what_a_take_would_cover_and_takes_nothing() -> None:
+    """An engine asks what the rate covers before asking whether those chunks' bytes fit
+    (the vLLM connector: a save the rate trims to fit was refused for the bytes of all)."""
+    kv, _ = client(SaveRouter(), save_bytes_per_s_max=1, save_burst_bytes=2 * CHUNK_BYTES)
+    kv._save_clock = lambda: 0.0
+    assert kv.peek_save_rate([CHUNK_BYTES] * CHUNKS) == 2
+    assert kv.peek_save_rate([CHUNK_BYTES] * CHUNKS) == 2  # nothing was taken
+    assert kv.take_save_rate([CHUNK_BYTES] * CHUNKS) == 2
+    assert kv.peek_save_rate([CHUNK_BYTES] * CHUNKS) == 0  # the take did take
+    asyncio.run(kv.close())

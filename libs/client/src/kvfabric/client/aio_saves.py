@@ -123,6 +123,11 @@ class SaveMixin(ClientBase):
         with self._save_rate_lock:
             return self._save_rate.admit_leading(chunk_sizes, self._save_clock())
 
+    def peek_save_rate(self, chunk_sizes: Sequence[int]) -> int:
+        """How many leading chunks `take_save_rate` would cover now; takes nothing. Any thread."""
+        with self._save_rate_lock:
+            return self._save_rate.peek_leading(chunk_sizes, self._save_clock())
+
     def save_admission(self, size_bytes: int) -> str | None:
         """Why a save of `size_bytes` would be dropped now, or None when it may start."""
         if self._closed:

@@ -531,6 +531,15 @@ class KvClient:
                 self._saves_submitted, self._bytes_submitted, nbytes, self.settings, rate_taken=rate_taken
             )
 
+    def peek_save_rate(self, chunk_sizes: Sequence[int]) -> int:
+        """How many leading chunks of these sizes `take_save_rate` would cover now, taking
+        nothing (all of them with no rate or the client off): an engine asks what it may save
+        before it asks `save_async_refusal` about those chunks' bytes. Advisory: another save
+        may take the rate in between."""
+        if not self.enabled:
+            return len(chunk_sizes)
+        return self.aio.peek_save_rate(chunk_sizes)
+
     def take_save_rate(self, chunk_sizes: Sequence[int]) -> int:
         """Take the engine's save rate (`ClientSettings.save_bytes_per_s_max`) for the leading
         chunks of these sizes it covers now and say how many: all of them when it has no rate or

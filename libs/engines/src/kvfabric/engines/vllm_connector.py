@@ -1032,11 +1032,14 @@ class KvfabricConnector(KVConnectorBase_V1):
         # and not ended as it queues, or their bytes with this one's past its bound, or this
         # one's alone: the rate taken, the loop refuses any save past the bound) is not copied:
         # it was copied out whole and then refused, the copying spent exactly when the client
-        # is overloaded. Asked for the capped blocks before the rate is taken (asked after, a
-        # save refused had spent the rate of every block it asked for), so a refused save takes
-        # no rate and copies nothing. Advisory: `save_async` (or the loop) decides again, and a
-        # save refused there is dropped as before.
-        if self._refused(save.req_id, object_bytes * capped):
+        # is overloaded. Asked before the rate is taken (asked after, a save refused had spent
+        # the rate of every block it asked for), so a refused save takes no rate and copies
+        # nothing; asked for the capped blocks the rate covers now (`peek_save_rate`, taking
+        # nothing: asked for all the capped ones, a save that fit once the rate trimmed it was
+        # refused and its request cut). Advisory: `save_async` (or the loop) decides again, and
+        # a save refused there is dropped as before.
+        covered = self.client.peek_save_rate([object_bytes] * capped)
+        if self._refused(save.req_id, object_bytes * max(1, min(capped, covered))):
             return
         if len(block_ids) > capped:
             self._cut_request(save.req_id, SAVE_BYTES)
